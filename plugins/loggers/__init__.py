@@ -1,0 +1,65 @@
+"""Logger factories: Lightning's logger classes, configured for a run directory.
+
+Each factory is a Hydra `_partial_` target; the trainer supplies `run_dir`. They return Lightning
+loggers (`log_metrics`, `log_hyperparams`, `save`, `finalize`), so any Lightning logger can be added.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+
+
+def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
+    """`<run_dir>/metrics.csv`, one row per logged step; new columns (val_loss) are added as they appear."""
+    import warnings
+
+    from lightning.fabric.loggers import CSVLogger
+
+    # The run directory already holds config.yaml and the log; Lightning would warn about that.
+    warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+    return CSVLogger(root_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=flush_logs_every_n_steps)
+
+
+def tensorboard_logger(run_dir: str | Path, subdir: str = "tensorboard") -> Any:
+    from lightning.fabric.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(root_dir=str(Path(run_dir) / subdir), name="", version="")
+
+
+def wandb_api_key_configured() -> bool:
+    """True when wandb could log online without asking: an env key or a `wandb login` netrc entry."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_logger(
+    run_dir: str | Path,
+    project: str = "trainer",
+    group: str | None = None,
+    name: str | None = None,
+    entity: str | None = None,
+    offline: bool | None = None,
+    tags: list[str] | None = None,
+) -> Any:
+    """Weights & Biases through Lightning's WandbLogger; never needs the network unless a key exists."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if offline is None:
+        offline = not wandb_api_key_configured() or os.environ.get("WANDB_MODE") == "offline"
+    run_dir = Path(run_dir)
+    return WandbLogger(
+        project=project,
+        group=group or run_dir.parent.name,
+        name=name or run_dir.name,
+        entity=entity,
+        offline=offline,
+        tags=list(tags or []),
+        save_dir=str(run_dir),
+    )

@@ -1,0 +1,146 @@
+"""Configuration: every option of every group composes and instantiates; invalid configs fail clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from trainer.cli import preflight
+from trainer.config import CONF_DIR, compose, group_options, total_steps, validate
+from trainer.data.prepare import prepare
+from trainer.models import build_meta_model
+from trainer.optim import optimizer_from_config
+
+REPO = Path(__file__).resolve().parent.parent
+GROUPS = ["model", "data", "strategy", "precision", "activation_checkpointing", "optimizer", "lr_schedule",
+          "logger", "callbacks"]
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("text") / "corpus.txt"
+    source.write_text("def f(x):\n    return x + 1\n" * 200)
+    out = tmp_path_factory.mktemp("tokens")
+    prepare([str(source)], str(out), tokenizer="bytes")
+    return out
+
+
+def all_options() -> list[tuple[str, str]]:
+    return [(group, option) for group in GROUPS for option in group_options(group)]
+
+
+def test_every_group_has_options() -> None:
+    for group in GROUPS:
+        assert group_options(group), f"conf/{group} is empty"
+
+
+@pytest.mark.parametrize(("group", "option"), all_options())
+def test_every_option_composes_and_instantiates(group: str, option: str, token_dir: Path,
+                                                tmp_path: Path) -> None:
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("data", "token_file"):
+        overrides.append(f"data.path={token_dir}")
+    cfg = compose(overrides)
+    node = cfg[group]
+    if group == "model":
+        model = build_meta_model(OmegaConf.to_object(node))
+        assert model.num_params() > 0
+        # the model's own checks run in validation; big models only need to fit their own max_seq_len
+        validate(compose(overrides + [f"trainer.seq_len={min(256, node.max_seq_len)}"]))
+        return
+    validate(cfg)
+    if group == "data":
+        source = instantiate(node)
+        assert len(source.train_tokens()) > 0 and len(source.val_tokens()) > 0
+    elif group == "optimizer":
+        optimizer = optimizer_from_config(node, [torch.nn.Linear(4, 4)])
+        assert optimizer.param_groups[0]["lr"] == node.lr
+    elif group == "lr_schedule":
+        schedule = instantiate(node)(total_steps=total_steps(cfg))
+        assert 0.0 < schedule(total_steps(cfg) // 2) <= 1.0
+    elif group == "logger":
+        for name, logger_node in node.items():
+            if name == "wandb":
+                continue  # starts a wandb service; covered end to end in test_run.py
+            assert instantiate(logger_node)(run_dir=tmp_path) is not None
+    elif group == "callbacks":
+        for callback_node in node.values():
+            assert instantiate(callback_node) is not None
+    else:
+        assert instantiate(node) is not None
+
+
+# (overrides, substring the one-line message must contain)
+INVALID = [
+    (["trainer.max_stepz=5"], "trainer.max_stepz: unknown key; did you mean 'max_steps'?"),
+    (["trainer.max_steps=abc"], "trainer.max_steps:"),
+    (["model=nope"], "model=nope: no such option; available: gpt2_small"),
+    (["strategy=nope"], "strategy=nope: no such option; available: single"),
+    (["trainer.global_batch_size=20"], "trainer.global_batch_size: 20 is not a multiple of"),
+    (["trainer.seq_len=1024"], "trainer.seq_len: 1024 exceeds model.max_seq_len=512"),
+    (["tp=2"], "tp=2 needs tensor parallelism: pick strategy=tp or strategy=3d"),
+    (["pp=2"], "pp=2 needs pipeline parallelism: pick strategy=pp or strategy=3d"),
+    (["dp=2"], "dp=2 needs data parallelism: pick strategy=ddp"),
+    (["trainer.devices=2"], "trainer.devices: trainer.devices x trainer.num_nodes = 2 processes"),
+    (["mode=fly"], "mode: 'fly' is not one of train"),
+    (["model.n_heads=7"], "model:"),
+    (["model.n_kv_heads=3"], "model:"),
+    (["optimizer.lr=-1"], "optimizer.lr: must be positive"),
+    (["lr_schedule.warmup_steps=500"], "lr_schedule: warmup_steps"),
+    (["trainer.max_steps=null"], "trainer.max_steps: set trainer.max_steps or trainer.max_tokens"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size: must be >= 1"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator: 'tpu' is not one of auto, cpu, cuda"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip: must be >= 0"),
+    (["lr_schedule.min_ratio=2"], "lr_schedule: min_ratio"),
+    (["data=token_file"], "data.path: required value is missing"),
+    (["trainer.val_every=-1"], "trainer.val_every: must be >= 0"),
+    (["model=gpt2_small", "model.attn_impl=flash"], "model:"),
+    (["logger=nope"], "logger=nope: no such option; available: csv, tensorboard, wandb"),
+    (["trainer.max_steps=[1,2"], "cannot parse override"),
+    (["+trainer.extra=1"], "trainer.extra: unknown key"),
+    (["optimizer.betaz=[0.9,0.9]"], "optimizer.betaz: unknown key; did you mean 'betas'?"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), INVALID, ids=[" ".join(o) for o, _ in INVALID])
+def test_invalid_config_has_one_clear_line(overrides: list[str], expected: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(overrides)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert expected in lines[0], lines[0]
+
+
+def test_at_least_fifteen_invalid_configs() -> None:
+    assert len(INVALID) >= 15
+
+
+def test_cli_error_is_one_line_without_traceback_and_starts_nothing(tmp_path: Path) -> None:
+    """The real entry point: exit 2, one line, no run directory created."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "tp=4", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: tp: tp=4 needs tensor parallelism: pick strategy=tp or "
+                                     "strategy=3d (strategy=single does not use it)")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dir.exists()
+
+
+def test_default_config_is_valid_and_documented() -> None:
+    cfg = compose([])
+    validate(cfg)
+    assert cfg.model.name == "tiny" and cfg.strategy._target_.endswith("SingleDevice")
+    assert (CONF_DIR / "config.yaml").read_text().startswith("#")

@@ -1,0 +1,49 @@
+"""Data sources, token windows and the data-parallel-exact stateful loader.
+
+Exports are resolved lazily (PEP 562) so that ``python -m trainer.data.prepare``
+and config-only imports do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.data.config import StdlibDataConfig, TokenFileDataConfig
+    from trainer.data.loader import StatefulLoader, TokenWindows, val_batches
+    from trainer.data.stdlib_corpus import StdlibCorpus
+    from trainer.data.token_file import TokenFileDataset
+
+__all__ = [
+    "StdlibCorpus",
+    "TokenFileDataset",
+    "TokenWindows",
+    "StatefulLoader",
+    "val_batches",
+    "StdlibDataConfig",
+    "TokenFileDataConfig",
+]
+
+_EXPORTS = {
+    "StdlibCorpus": "trainer.data.stdlib_corpus",
+    "TokenFileDataset": "trainer.data.token_file",
+    "TokenWindows": "trainer.data.loader",
+    "StatefulLoader": "trainer.data.loader",
+    "val_batches": "trainer.data.loader",
+    "StdlibDataConfig": "trainer.data.config",
+    "TokenFileDataConfig": "trainer.data.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,164 @@
+"""Reader for the on-disk token format written by ``python -m trainer.data.prepare``.
+
+A dataset directory holds::
+
+    train.bin   raw little-endian token ids
+    val.bin     raw little-endian token ids
+    meta.json   {"format_version": 1, "dtype": "uint16" | "uint32", "vocab_size": N,
+                 "tokenizer": str, "num_tokens": {"train": n, "val": m}, "eos_id": int | null}
+
+The format constants live here so that the writer and the reader cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TokenFileDataset", "FORMAT_VERSION", "META_FILE", "SPLIT_FILES", "dtype_for_vocab"]
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
+# Explicit little-endian so files are portable across hosts.
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """Name of the smallest supported dtype for ``vocab_size`` (``uint16`` up to 65535)."""
+    return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+def _require_int(meta_path: Path, value: Any, what: str, minimum: int) -> int:
+    # bool is an int subclass; ``true`` in meta.json is a bug, not a count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{meta_path}: {what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{meta_path} not found; create the dataset with `python -m trainer.data.prepare`"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _validate_meta(meta_path: Path, meta: dict[str, Any]) -> None:
+    """Check the fields this reader relies on; raise ValueError naming the file."""
+    missing = [k for k in ("format_version", "dtype", "vocab_size", "num_tokens") if k not in meta]
+    if missing:
+        raise ValueError(f"{meta_path}: missing key(s) {', '.join(missing)}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path}: unsupported format_version {meta['format_version']!r} (expected {FORMAT_VERSION})"
+        )
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(f"{meta_path}: dtype must be one of {sorted(_DTYPES)}, got {meta['dtype']!r}")
+    vocab = _require_int(meta_path, meta["vocab_size"], "vocab_size", 1)
+    max_vocab = np.iinfo(_DTYPES[meta["dtype"]]).max + 1
+    if vocab > max_vocab:
+        raise ValueError(f"{meta_path}: vocab_size {vocab} does not fit dtype {meta['dtype']}")
+    counts = meta["num_tokens"]
+    if not isinstance(counts, dict):
+        raise ValueError(f"{meta_path}: num_tokens must be an object with 'train' and 'val'")
+    for split in SPLIT_FILES:
+        _require_int(meta_path, counts.get(split), f"num_tokens.{split}", 0)
+    eos = meta.get("eos_id")
+    if eos is not None and _require_int(meta_path, eos, "eos_id", 0) >= vocab:
+        raise ValueError(f"{meta_path}: eos_id {eos} is outside the vocabulary (size {vocab})")
+
+
+class TokenFileDataset:
+    """Pre-tokenized dataset directory (``train.bin``, ``val.bin``, ``meta.json``).
+
+    Everything is validated up front (missing files, file sizes vs.
+    ``meta.json``) so that a bad path fails at startup, not hours into a run.
+    Token arrays are read-only ``np.memmap`` views, so even very large datasets
+    cost no RAM until windows are actually read.
+
+    Args:
+        path: the dataset directory.
+
+    Attributes:
+        vocab_size: size of the tokenizer's vocabulary.
+        eos_id: end-of-document token id, or ``None`` if none was appended.
+        tokenizer: ``"bytes"`` or the tokenizer file name inside the directory.
+        meta: the full parsed ``meta.json``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"token dataset directory not found: {self.path}")
+        meta_path = self.path / META_FILE
+        self.meta = _read_meta(meta_path)
+        _validate_meta(meta_path, self.meta)
+        self.dtype: np.dtype = _DTYPES[self.meta["dtype"]]
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.eos_id: int | None = self.meta.get("eos_id")
+        self.tokenizer: str = str(self.meta.get("tokenizer", ""))
+        self.num_tokens: dict[str, int] = {s: self.meta["num_tokens"][s] for s in SPLIT_FILES}
+        for split in SPLIT_FILES:
+            self._check_file(split)
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def _check_file(self, split: str) -> None:
+        file = self.path / SPLIT_FILES[split]
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found (listed by {self.path / META_FILE})")
+        expected = self.num_tokens[split] * self.dtype.itemsize
+        actual = file.stat().st_size
+        if actual != expected:
+            raise ValueError(
+                f"{file}: size is {actual} bytes but {META_FILE} says {self.num_tokens[split]} "
+                f"{self.meta['dtype']} tokens ({expected} bytes); the dataset is incomplete or stale"
+            )
+
+    def _tokens(self, split: str) -> np.ndarray:
+        if split not in self._arrays:
+            n = self.num_tokens[split]
+            if n == 0:
+                # mmap cannot map an empty file; an empty read-only array behaves the same.
+                empty = np.zeros(0, dtype=self.dtype)
+                empty.flags.writeable = False
+                self._arrays[split] = empty
+            else:
+                file = self.path / SPLIT_FILES[split]
+                self._arrays[split] = np.memmap(file, dtype=self.dtype, mode="r", shape=(n,))
+        return self._arrays[split]
+
+    def train_tokens(self) -> np.ndarray:
+        """Training tokens as a read-only memmap."""
+        return self._tokens("train")
+
+    def val_tokens(self) -> np.ndarray:
+        """Validation tokens as a read-only memmap (may be empty)."""
+        return self._tokens("val")
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """Absolute path of the tokenizer file for decoding, or ``None`` for byte-level data."""
+        if self.tokenizer in ("", "bytes"):
+            return None
+        return (self.path / self.tokenizer).resolve()
+
+    def describe(self) -> str:
+        """One line for logs: token counts, vocabulary and tokenizer."""
+        return (
+            f"token files ({self.path}): train {self.num_tokens['train']:,} tokens, "
+            f"val {self.num_tokens['val']:,} tokens, vocab {self.vocab_size} ({self.meta['dtype']}), "
+            f"tokenizer {self.tokenizer or '?'}"
+        )
+
+    def __repr__(self) -> str:
+        return f"TokenFileDataset(path={str(self.path)!r})"

@@ -1,0 +1,54 @@
+"""Peak FLOP/s of the device (for MFU) and peak memory of this process."""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+
+import torch
+
+# Dense peak FLOP/s per GPU from the vendors' data sheets (without sparsity).
+GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
+    "H100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
+    "RTX 3090": {torch.bfloat16: 71e12, torch.float16: 71e12, torch.float32: 35.6e12},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32, size: int = 2048,
+                         repeats: int = 4) -> float:
+    """Best achieved FLOP/s of a square matmul on this device and thread count (the MFU reference)."""
+    device = torch.device(device_type)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: thread pool, kernels
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Data-sheet peak of a known GPU; otherwise (CPU, unknown GPU) the measured matmul peak."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in GPU_PEAK_FLOPS.items():
+            if key in name and dtype in table:
+                return table[dtype]
+    return measure_matmul_flops(device.type, dtype)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated accelerator memory, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,188 @@
+"""The training loop: Lightning-style `Trainer.fit`, short enough to read top to bottom.
+
+Everything that depends on the topology (how the forward/backward runs, how losses and norms are
+reduced) is the strategy's; everything that depends on the number format is the precision plugin's.
+The loop only sequences them and reports.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from plugins.precision import Precision
+from plugins.strategies import Strategy
+from trainer.callback import Callback
+from trainer.config import TrainerConfig
+from trainer.hardware import peak_memory_bytes
+
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Trainer:
+    """Runs optimizer steps until max_steps/max_tokens, validating and logging on the way."""
+
+    def __init__(
+        self,
+        *,
+        config: TrainerConfig,
+        strategy: Strategy,
+        precision: Precision,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_loader: Iterator[MicroBatches],
+        val_set: MicroBatches,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: int,
+        peak_flops: float,
+        callbacks: Sequence[Callback] = (),
+        loggers: Sequence[Any] = (),
+    ) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.precision = precision
+        self.model_parts = model_parts
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.val_set = val_set
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.callbacks = list(callbacks)
+        self.loggers = list(loggers)
+
+        self.step = 0  # optimizer steps taken (restored by a checkpoint)
+        self.start_step = 0
+        self.tokens_seen = 0
+        self.logged_metrics: dict[str, float] = {}
+        self.val_history: list[tuple[int, float]] = []
+        self.last_train_loss = math.nan
+        self.train_time_s = 0.0  # time spent in training steps only (no validation, no logging I/O)
+        self._start_tokens = 0
+        self._interval = (0.0, 0)  # train time and tokens at the last log
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to the end and return the run summary."""
+        self.start_step = self.step
+        self._start_tokens = self.tokens_seen
+        self._interval = (self.train_time_s, self.tokens_seen)
+        wall_start = time.perf_counter()
+        try:
+            self._call("on_fit_start")
+            while self.step < self.total_steps:
+                self.training_step(next(self.train_loader))
+                if self.config.val_every and self.step % self.config.val_every == 0:
+                    self.validate()
+            if not self.val_history or self.val_history[-1][0] != self.step:
+                self.validate()  # the summary always reports the final model
+            self._call("on_fit_end")
+        except BaseException as exception:
+            self._call("on_exception", exception)
+            raise
+        finally:
+            for logger in self.loggers:
+                logger.finalize("success")
+        return self.summary(time.perf_counter() - wall_start)
+
+    def training_step(self, microbatches: MicroBatches) -> None:
+        """One optimizer step over this rank's micro-batches."""
+        self._call("on_train_batch_start", microbatches)
+        start = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses
+
+        loss = self.strategy.forward_backward(
+            self.model_parts, microbatches, self.precision,
+            on_before_backward=lambda loss: self._call("on_before_backward", loss),
+        )
+        self._call("on_after_backward")
+        self.precision.unscale_gradients(self.optimizer)
+        grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
+        self._call("on_before_optimizer_step", self.optimizer)
+        stepped = self.precision.optimizer_step(self.optimizer)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        self.train_time_s += time.perf_counter() - start
+        outputs = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped}
+        if self.step % self.config.log_every == 0 or self.step == self.total_steps:
+            self.log_step(outputs)
+        self._call("on_train_batch_end", outputs)
+
+    def validate(self) -> float:
+        val_loss = self.strategy.evaluate(self.model_parts, self.val_set, self.precision)
+        self.val_history.append((self.step, val_loss))
+        self.log({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
+        self._call("on_validation_end")
+        return val_loss
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def throughput(self, tokens: int, seconds: float) -> tuple[float, float]:
+        """Tokens/s over all ranks and model FLOP utilization against the per-device peak."""
+        tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+        mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.strategy.world_size)
+        return tokens_per_s, mfu
+
+    def log_step(self, outputs: dict[str, Any]) -> None:
+        # .item() synchronizes with the device, so it happens only on logged steps.
+        self.last_train_loss = self.strategy.reduce_mean(outputs["loss"]).item()
+        last_time, last_tokens = self._interval
+        tokens_per_s, mfu = self.throughput(self.tokens_seen - last_tokens, self.train_time_s - last_time)
+        self._interval = (self.train_time_s, self.tokens_seen)
+        self.log({
+            "train_loss": self.last_train_loss,
+            "lr": outputs["lr"],
+            "grad_norm": float(outputs["grad_norm"]),
+            "tokens": self.tokens_seen,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "skipped": int(outputs["skipped"]),
+        })
+
+    def log(self, metrics: dict[str, float]) -> None:
+        metrics = {"step": self.step, **metrics}
+        if metrics["step"] == self.logged_metrics.get("step"):
+            self.logged_metrics.update(metrics)
+        else:
+            self.logged_metrics = metrics
+        if self.is_global_zero:
+            for logger in self.loggers:
+                logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        tokens = self.tokens_seen - self._start_tokens
+        tokens_per_s, mfu = self.throughput(tokens, self.train_time_s)
+        val_losses = [loss for _, loss in self.val_history]
+        return {
+            "final_val_loss": val_losses[-1] if val_losses else None,
+            "best_val_loss": min(val_losses) if val_losses else None,
+            "final_train_loss": self.last_train_loss,
+            "steps": self.step,
+            "tokens": self.tokens_seen,
+            "wall_s": wall_s,
+            "train_s": self.train_time_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_flops_per_device": self.peak_flops,
+            "flops_per_token": self.flops_per_token,
+            "world_size": self.strategy.world_size,
+            "peak_memory_bytes_per_rank": self.strategy.all_gather_object(peak_memory_bytes(self.strategy.device)),
+        }

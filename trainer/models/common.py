@@ -1,0 +1,113 @@
+"""Pieces shared by the decoder-only model families: parameter/FLOP accounting, init helpers."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def require_divisible(numerator: int, denominator: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``numerator`` is a positive multiple of ``denominator``."""
+    if numerator <= 0 or denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(
+            f"{what}: {numerator} must be a positive multiple of {denominator}"
+        )
+
+
+def require_positive(value: int | float, what: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is strictly positive."""
+    if value <= 0:
+        raise ValueError(f"{what} must be positive, got {value}")
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Device of the first parameter (or buffer) of ``module``; CPU for an empty module."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def unique_numel(tensors: Iterable[torch.Tensor]) -> int:
+    """Total element count, counting a tensor that appears several times (tied weights) once."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        seen[id(tensor)] = tensor.numel()
+    return sum(seen.values())
+
+
+def init_linear_(linear: nn.Linear, std: float) -> None:
+    """Normal(0, std) weight, zero bias; draws from torch's global RNG."""
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class CausalLM(nn.Module):
+    """Base class of the decoder-only language models: parameter and FLOP accounting.
+
+    Subclasses own ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict``), ``norm`` and
+    ``output``. A pipeline stage sets the modules it does not own to ``None``; the
+    modules named in ``first_stage_modules`` belong to the first stage only and those
+    in ``last_stage_modules`` to the last stage only, so a stage splitter can stay
+    family-agnostic.
+    """
+
+    first_stage_modules: tuple[str, ...] = ("tok_embeddings",)
+    last_stage_modules: tuple[str, ...] = ("norm", "output")
+
+    def _embedding_tables(self) -> list[nn.Module]:
+        """Lookup-table modules that ``num_params(exclude_embeddings=True)`` leaves out."""
+        return [m for name in self.first_stage_modules if (m := getattr(self, name)) is not None]
+
+    def _attention_dim(self) -> int:
+        """``n_heads * head_dim`` of one layer (the width of the attention matmuls)."""
+        raise NotImplementedError
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters held by this module (a pipeline stage counts its own).
+
+        Tied weights count once. ``exclude_embeddings`` leaves out the input lookup
+        tables (token and, for GPT, position embeddings); an untied output head is a
+        matmul and stays counted, a tied one is the embedding table and goes with it.
+        """
+        excluded: set[int] = set()
+        if exclude_embeddings:
+            excluded = {id(p) for m in self._embedding_tables() for p in m.parameters()}
+        return unique_numel(p for p in self.parameters() if id(p) not in excluded)
+
+    def num_matmul_params(self) -> int:
+        """Number of weights that take part in matmuls: every ``nn.Linear`` weight.
+
+        The output head counts even when tied to the embedding (it is still a matmul);
+        biases, norms and embedding lookups do not.
+        """
+        total = 0
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                total += module.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) at sequence length ``seq_len``.
+
+        Convention of Narayanan et al. 2021 ("Efficient Large-Scale Language Model
+        Training on GPU Clusters Using Megatron-LM"): a multiply-add is 2 FLOPs and the
+        backward pass costs twice the forward, so training = 3x forward:
+
+            6 * num_matmul_params()                           # every Linear weight, head included
+          + 12 * n_layers * seq_len * (n_heads * head_dim)    # QK^T and attention @ V
+
+        The embedding lookup is not a matmul and is not counted; the attention matmuls
+        are counted in full (not halved for causality), as in the paper. Elementwise work
+        (norms, activations, softmax, RoPE) is ignored. For a GPT-3-style model this is
+        Narayanan's 72*l*h^2*(1 + s/(6h) + V/(12*l*h)) up to bias terms. Activation
+        recomputation is not included (it would make it 4x forward). A pipeline stage
+        counts only its own layers and head.
+        """
+        require_positive(seq_len, "seq_len")
+        n_layers = len(self.layers)
+        return 6 * self.num_matmul_params() + 12 * n_layers * seq_len * self._attention_dim()

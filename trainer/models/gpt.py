@@ -1,0 +1,245 @@
+"""GPT-2 / GPT-3 style decoder (learned positions, pre-LayerNorm, GELU MLP, tied head)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.common import CausalLM, init_linear_, require_divisible, require_positive
+
+ATTN_IMPLS: tuple[str, ...] = ("sdpa", "materialized")
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a GPT model; the defaults are GPT-2 small (124M)."""
+
+    # Hydra target; ``trainer.models.build_model`` resolves the model class from it.
+    _target_: str = "trainer.models.gpt.GPT"
+    # Human-readable model name (used in logs and checkpoint metadata).
+    name: str = "gpt"
+    # Vocabulary size of the tokenizer (rows of the embedding and the output head).
+    vocab_size: int = 50257
+    # Number of learned positions, i.e. the longest sequence the model accepts.
+    max_seq_len: int = 1024
+    # Model (residual stream) width.
+    dim: int = 768
+    # Number of transformer blocks.
+    n_layers: int = 12
+    # Number of attention heads; must divide ``dim``.
+    n_heads: int = 12
+    # MLP hidden width; None = 4 * dim.
+    ffn_hidden_dim: Optional[int] = None
+    # Dropout on the embeddings, the residual branches and the attention probabilities.
+    dropout: float = 0.0
+    # Biases in the Linear layers and LayerNorms.
+    bias: bool = True
+    # Epsilon of the LayerNorms.
+    norm_eps: float = 1e-5
+    # Share the token embedding matrix with the output head.
+    tie_embeddings: bool = True
+    # "sdpa" (fused kernel) or "materialized" (explicit softmax(QK^T/sqrt(d)) with a causal
+    # mask and attention dropout, whose saved activations match Korthikanti et al. 2022).
+    attn_impl: str = "sdpa"
+    # Std of the normal init; residual output projections use init_std / sqrt(2 * n_layers).
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` if the configuration is inconsistent."""
+        for field in ("vocab_size", "max_seq_len", "dim", "n_layers", "n_heads"):
+            require_positive(getattr(self, field), field)
+        require_divisible(self.dim, self.n_heads, "dim must be divisible by n_heads")
+        if self.ffn_hidden_dim is not None:
+            require_positive(self.ffn_hidden_dim, "ffn_hidden_dim")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """Resolved MLP hidden width."""
+        return 4 * self.dim if self.ffn_hidden_dim is None else self.ffn_hidden_dim
+
+
+def materialized_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+) -> torch.Tensor:
+    """``dropout(softmax(q k^T / sqrt(d) + causal mask)) @ v`` on ``[B, H, S, D]`` inputs.
+
+    Autograd saves exactly what Korthikanti et al. count: q and k for the score matmul,
+    the softmax output, the dropout mask and output, and v.
+    """
+    seq_len, head_dim = q.shape[-2], q.shape[-1]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    # Adding a constant -inf bias saves nothing for backward (masked_fill would save a mask).
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+    bias = torch.zeros(seq_len, seq_len, dtype=scores.dtype, device=q.device)
+    scores = scores + bias.masked_fill(future, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ v
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with a fused qkv projection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.attn_impl = config.attn_impl
+        self.dropout = config.dropout
+        self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)
+        self.wo = nn.Linear(config.dim, config.dim, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        qkv = self.wqkv(x).view(batch, seq_len, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attn_impl == "materialized":
+            out = materialized_causal_attention(q, k, v, dropout_p)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, dim))
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        init_linear_(self.wqkv, std)
+        init_linear_(self.wo, residual_std)
+
+
+class FeedForward(nn.Module):
+    """``w2(gelu(w1 x))`` with the tanh GELU of GPT-2."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=config.bias)
+        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        init_linear_(self.w1, std)
+        init_linear_(self.w2, residual_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block with dropout on both residual branches; stateless forward."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.dim, eps=config.norm_eps, bias=config.bias)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.LayerNorm(config.dim, eps=config.norm_eps, bias=config.bias)
+        self.feed_forward = FeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.dropout(self.attention(self.attention_norm(x)))
+        return h + self.dropout(self.feed_forward(self.ffn_norm(h)))
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, residual_std)
+        self.feed_forward.init_weights(std, residual_std)
+
+
+class GPT(CausalLM):
+    """GPT decoder returning logits ``[B, S, vocab_size]``.
+
+    Pipeline stages: later stages set both ``tok_embeddings`` and ``pos_embeddings`` to
+    None and receive hidden states ``[B, S, dim]``; earlier stages set ``norm``/``output``
+    to None and return hidden states; entries of ``layers`` may be deleted.
+    """
+
+    first_stage_modules: tuple[str, ...] = ("tok_embeddings", "pos_embeddings")
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.dim)
+        self.pos_embeddings: Optional[nn.Embedding] = nn.Embedding(config.max_seq_len, config.dim)
+        self.emb_dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.n_layers)}
+        )
+        self.norm: Optional[nn.LayerNorm] = nn.LayerNorm(
+            config.dim, eps=config.norm_eps, bias=config.bias
+        )
+        self.output: Optional[nn.Linear] = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _attention_dim(self) -> int:
+        return self.config.dim
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is None:
+            if self.pos_embeddings is not None:
+                raise ValueError(
+                    "a stage without tok_embeddings must also drop pos_embeddings "
+                    "(positions are added once, on the first stage)"
+                )
+            return tokens
+        seq_len = tokens.shape[1]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            positions = torch.arange(seq_len, device=tokens.device)
+            h = h + self.pos_embeddings(positions)
+        return self.emb_dropout(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` on a later pipeline stage)."""
+        h = self._embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize every parameter from torch's global RNG.
+
+        GPT has no derived buffers, so ``buffer_device`` is accepted for interface
+        parity with ``Llama`` and ignored.
+        """
+        del buffer_device
+        cfg = self.config
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        tied = cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None
+        if tied:
+            # to_empty may have given the two modules separate storage.
+            self.output.weight = self.tok_embeddings.weight
+        for table in (self.tok_embeddings, self.pos_embeddings):
+            if table is not None:
+                nn.init.normal_(table.weight, mean=0.0, std=cfg.init_std)
+        for layer in self.layers.values():
+            layer.init_weights(cfg.init_std, residual_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not tied:
+            init_linear_(self.output, cfg.init_std)

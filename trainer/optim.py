@@ -1,0 +1,194 @@
+"""Optimizer construction: weight-decay parameter groups and Hydra schemas.
+
+Users configure ``weight_decay`` as part of the optimizer (``conf/optimizer``),
+but it must not apply to every parameter, so the trainer strips it from the
+optimizer partial and applies it per group instead::
+
+    optimizer = optimizer_from_config(cfg.optimizer, [model])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import hydra.utils
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+__all__ = [
+    "AdamWConfig",
+    "SGDConfig",
+    "param_groups",
+    "build_optimizer",
+    "optimizer_from_config",
+]
+
+# Embedding tables are lookups, not linear maps: decaying them shrinks rows of
+# rare tokens toward zero every step they are not seen.
+_EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+# ---------------------------------------------------------------------------
+# Schemas
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class AdamWConfig:
+    """Schema of ``conf/optimizer/adamw.yaml`` (:class:`torch.optim.AdamW`)."""
+
+    _target_: str = "torch.optim.AdamW"
+    # Must stay true: parameters are supplied by the trainer.
+    _partial_: bool = True
+    # Peak learning rate; LR schedules multiply this value.
+    lr: float = 3.0e-3
+    # Exponential decay rates of the first and second moment estimates.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Added to the denominator for numerical stability.
+    eps: float = 1.0e-8
+    # Decoupled weight decay, applied only to the "decay" parameter group.
+    weight_decay: float = 0.1
+    # Fused kernel (null: let torch choose).
+    fused: bool | None = None
+    # Multi-tensor implementation (null: let torch choose).
+    foreach: bool | None = None
+
+
+@dataclass
+class SGDConfig:
+    """Schema of ``conf/optimizer/sgd.yaml`` (:class:`torch.optim.SGD`)."""
+
+    _target_: str = "torch.optim.SGD"
+    # Must stay true: parameters are supplied by the trainer.
+    _partial_: bool = True
+    # Peak learning rate; LR schedules multiply this value.
+    lr: float = 0.1
+    # Momentum factor (0 disables momentum).
+    momentum: float = 0.9
+    # Nesterov momentum (requires momentum > 0).
+    nesterov: bool = False
+    # L2 penalty added to the gradient, applied only to the "decay" parameter group.
+    weight_decay: float = 0.0
+
+
+# ---------------------------------------------------------------------------
+# Parameter groups
+# ---------------------------------------------------------------------------
+
+
+def _owned_parameters(
+    modules: Iterable[nn.Module],
+) -> Iterator[tuple[nn.Module, nn.Parameter]]:
+    """Yield ``(owning module, parameter)`` in traversal order, duplicates included."""
+    for root in modules:
+        # Shared parameters are yielded once per owner on purpose: the caller
+        # needs every owner to decide whether any of them rules out decay.
+        for module in root.modules():
+            for param in module.parameters(recurse=False):
+                yield module, param
+
+
+def _excluded_from_decay(module: nn.Module, param: nn.Parameter) -> bool:
+    """Whether this ownership alone rules the parameter out of weight decay."""
+    # Biases, norm gains and other vectors/scalars are never decayed.
+    return param.ndim < 2 or isinstance(module, _EMBEDDING_TYPES)
+
+
+def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
+    """Split trainable parameters into a weight-decay and a no-decay group.
+
+    No decay: every parameter with fewer than two dimensions (biases,
+    LayerNorm/RMSNorm weights, custom scales) and every weight of an
+    ``nn.Embedding``/``nn.EmbeddingBag`` (token and learned position tables).
+    Decay: every other parameter with two or more dimensions, i.e. the
+    weights of ``nn.Linear`` layers (and of other matrix-weight layers).
+
+    A parameter reachable from several places (tied input/output embeddings,
+    modules listed twice) appears once, at its first position in traversal
+    order; it is excluded from decay if *any* owner excludes it, so a tied
+    LM head follows its embedding into ``no_decay``.  Parameters with
+    ``requires_grad=False`` are left out.
+
+    Args:
+        modules: Modules to collect parameters from, in order.
+        weight_decay: Decay coefficient of the "decay" group; must be >= 0.
+
+    Returns:
+        Up to two groups, ``{"name": "decay" | "no_decay", "params": [...],
+        "weight_decay": float}``, empty groups dropped.
+    """
+    if not weight_decay >= 0.0:  # phrased to reject NaN as well
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+    # Ordered by first appearance; dicts keep insertion order.
+    params: dict[int, nn.Parameter] = {}
+    no_decay_ids: set[int] = set()
+    for module, param in _owned_parameters(list(modules)):
+        if not param.requires_grad:
+            continue
+        params.setdefault(id(param), param)
+        if _excluded_from_decay(module, param):
+            no_decay_ids.add(id(param))
+
+    decay = [p for key, p in params.items() if key not in no_decay_ids]
+    no_decay = [p for key, p in params.items() if key in no_decay_ids]
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": float(weight_decay)},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+# ---------------------------------------------------------------------------
+# Optimizer construction
+# ---------------------------------------------------------------------------
+
+
+def build_optimizer(
+    optimizer_factory: Callable[..., torch.optim.Optimizer],
+    modules: Iterable[nn.Module],
+    weight_decay: float,
+) -> torch.optim.Optimizer:
+    """Create an optimizer over :func:`param_groups` of ``modules``.
+
+    Args:
+        optimizer_factory: Callable taking the parameter groups, typically a
+            Hydra ``_partial_`` of ``torch.optim.AdamW``/``SGD`` that does
+            *not* set ``weight_decay``.
+        modules: Modules whose trainable parameters are optimized.
+        weight_decay: Decay coefficient of the "decay" group.
+    """
+    # Per-group values would silently override a factory-level weight_decay;
+    # refuse it rather than let two settings disagree.
+    if isinstance(optimizer_factory, functools.partial) and (
+        "weight_decay" in optimizer_factory.keywords
+    ):
+        raise ValueError(
+            "optimizer_factory must not set weight_decay; pass it to build_optimizer instead"
+        )
+    groups = param_groups(modules, weight_decay)
+    if not groups:
+        raise ValueError("no trainable parameters found in the given modules")
+    return optimizer_factory(groups)
+
+
+def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:
+    """Build an optimizer from an ``optimizer`` config node (e.g. ``adamw.yaml``).
+
+    ``weight_decay`` is popped from the config (0.0 if absent) and applied
+    through :func:`build_optimizer`; the rest is instantiated as a partial.
+    """
+    # A plain container: structured configs refuse pop() and would hand
+    # ListConfig betas to torch.
+    options = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(options, dict):
+        raise ValueError(f"optimizer config must be a mapping, got {type(options).__name__}")
+    options.pop("defaults", None)
+    weight_decay = float(options.pop("weight_decay", 0.0))
+    options["_partial_"] = True
+    factory = hydra.utils.instantiate(options)
+    return build_optimizer(factory, modules, weight_decay)

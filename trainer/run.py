@@ -1,0 +1,104 @@
+"""Builds a run from a validated config and trains it: the one place where the pieces meet."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import seed_everything
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import ConfigError, tokens_per_step, total_steps, validate
+from trainer.data import StatefulLoader, TokenWindows, val_batches
+from trainer.hardware import peak_flops
+from trainer.loop import Trainer
+from trainer.models import build_meta_model
+from trainer.optim import optimizer_from_config
+
+log = logging.getLogger("trainer")
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
+    """Every configured logger; metrics.csv is always written."""
+    logger_cfgs = dict(cfg.logger)
+    if "csv" not in logger_cfgs:
+        logger_cfgs["csv"] = OmegaConf.create({"_target_": "plugins.loggers.csv_logger", "_partial_": True})
+    return [instantiate(node)(run_dir=run_dir) for node in logger_cfgs.values()]
+
+
+def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> tuple[StatefulLoader, list]:
+    source = instantiate(cfg.data)
+    if source.vocab_size > vocab_size:
+        raise ConfigError("data", f"the data has {source.vocab_size} token ids but model.vocab_size is "
+                                  f"{vocab_size}: pick a model whose vocabulary covers the data")
+    t = cfg.trainer
+    loader = StatefulLoader(TokenWindows(source.train_tokens(), t.seq_len), t.global_batch_size,
+                            t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed)
+    val_set = val_batches(TokenWindows(source.val_tokens(), t.seq_len), t.val_batches, t.micro_batch_size,
+                          dp_rank=dp_rank, dp_size=dp_size)
+    return loader, val_set
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train the configured model; write summary.json into run_dir and return the summary."""
+    validate(cfg)
+    t = cfg.trainer
+    strategy = instantiate(cfg.strategy)
+    strategy.setup_environment(t.accelerator, t.num_threads)
+    rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
+    precision = instantiate(cfg.precision)
+    seed_everything(t.seed, verbose=False)
+
+    # Built on the meta device: nothing is allocated until the strategy has placed it.
+    model = build_meta_model(OmegaConf.to_object(cfg.model))
+    num_params = model.num_params()
+    flops_per_token = model.flops_per_token(t.seq_len)
+    model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), precision, t.compile)
+
+    optimizer = optimizer_from_config(cfg.optimizer, model_parts)
+    steps = total_steps(cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.lr_schedule)(total_steps=steps))
+    train_loader, val_set = build_data(cfg, model.config.vocab_size, strategy.dp_rank, strategy.dp_size)
+
+    if strategy.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    loggers = build_loggers(cfg, run_dir) if strategy.is_global_zero else []
+    for logger in loggers:
+        try:
+            logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        except NotImplementedError:  # Lightning's CSVLogger; the resolved config is in config.yaml
+            pass
+    log.info(f"model {cfg.model.name}: {num_params:,} parameters; {steps} steps of "
+             f"{tokens_per_step(cfg):,} tokens; run dir {run_dir}")
+
+    trainer = Trainer(
+        config=OmegaConf.to_object(t),
+        strategy=strategy,
+        precision=precision,
+        model_parts=model_parts,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        val_set=val_set,
+        total_steps=steps,
+        tokens_per_step=tokens_per_step(cfg),
+        flops_per_token=flops_per_token,
+        peak_flops=t.peak_flops or peak_flops(strategy.device, precision.compute_dtype),
+        callbacks=[instantiate(node) for node in cfg.callbacks.values()],
+        loggers=loggers,
+    )
+    summary = {"num_params": num_params, **trainer.fit()}
+    if strategy.is_global_zero:
+        path = run_dir / "summary.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        log.info(f"final val_loss {summary['final_val_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+                 f"MFU {100 * summary['mfu']:.1f}%")
+        log.info(f"summary: {path}")
+    strategy.teardown()
+    return summary
