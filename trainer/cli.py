@@ -50,15 +50,31 @@ def preflight(overrides: list[str]) -> DictConfig:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_app(cfg: DictConfig) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from trainer.launch import (adopt_slurm_environment, configure_worker_logging, describe_failure,
+                                distributed_environment, launch, needs_launch)
     from trainer.run import train
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)  # again: multirun jobs skip the preflight
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        if needs_launch(cfg):
+            launch(cfg, run_dir)
+            return
+        if distributed_environment() == "slurm":
+            adopt_slurm_environment()
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:  # under torchrun/srun every rank runs this app: only rank 0 speaks
+            configure_worker_logging(rank, run_dir)
+        train(cfg, run_dir)
     except ConfigError as error:  # also raised once the data is read (vocabulary, too little text)
         if _full_errors():
             raise
         _fail(str(error))
+    except ChildFailedError as error:
+        log.error(f"error: {describe_failure(error)}")
+        sys.exit(1)
 
 
 def main() -> None:

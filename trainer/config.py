@@ -57,8 +57,8 @@ class TrainerConfig:
     seq_len: int = 256
     # Validate every N optimizer steps (0: only at the end).
     val_every: int = 100
-    # Micro-batches of validation data per rank at each evaluation.
-    val_batches: int = 8
+    # Global batches of validation data at each evaluation (the same sequences for every strategy).
+    val_batches: int = 4
     # Write metrics every N optimizer steps.
     log_every: int = 10
     # Clip the global gradient norm to this value (0 disables clipping; the norm is logged anyway).
@@ -71,6 +71,12 @@ class TrainerConfig:
     num_threads: Optional[int] = None
     # Peak FLOP/s of one device for MFU (None: from the GPU model, or a measured matmul peak on CPU).
     peak_flops: Optional[float] = None
+    # Multi-node runs started by `python -m trainer` on each node (not torchrun/srun): host:port of the
+    # rendezvous (node 0's address) and an id shared by the nodes of one job.
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: str = "trainer"
+    # Restart all workers this many times when one fails (0: the job ends with the failing rank's error).
+    max_restarts: int = 0
 
 
 @dataclass
@@ -134,8 +140,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # What to do: `train`.
     mode: str = "train"
-    # Parallel sizes (shortcuts): data parallel, tensor parallel, pipeline parallel.
-    dp: Any = 1
+    # Parallel sizes (shortcuts): data parallel (`auto`: the world size / (tp x pp)), tensor parallel,
+    # pipeline parallel.
+    dp: Any = "auto"
     tp: int = 1
     pp: int = 1
 
@@ -151,7 +158,7 @@ def register_configs() -> None:
         WSDScheduleConfig,
     )
     from plugins.precision import FP32PrecisionConfig
-    from plugins.strategies import SingleDeviceConfig
+    from plugins.strategies import DDPConfig, FSDPConfig, SingleDeviceConfig, ZeRO1Config
     from trainer.data import StdlibDataConfig, TokenFileDataConfig
     from trainer.models import GPTConfig, LlamaConfig
     from trainer.optim import AdamWConfig, SGDConfig
@@ -161,7 +168,7 @@ def register_configs() -> None:
     schemas: dict[str, dict[str, Any]] = {
         "model": {"llama": LlamaConfig, "gpt": GPTConfig},
         "data": {"stdlib": StdlibDataConfig, "token_file": TokenFileDataConfig},
-        "strategy": {"single": SingleDeviceConfig},
+        "strategy": {"single": SingleDeviceConfig, "ddp": DDPConfig, "zero1": ZeRO1Config, "fsdp": FSDPConfig},
         "precision": {"fp32": FP32PrecisionConfig},
         "activation_checkpointing": {"none": NoCheckpointingConfig},
         "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
@@ -201,12 +208,17 @@ def strategy_class(cfg: DictConfig) -> type:
     return get_class(cfg.strategy._target_)
 
 
+def world_size(cfg: DictConfig) -> int:
+    return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+
+
 def data_parallel_size(cfg: DictConfig) -> int:
     """Ranks that read distinct data: the world divided by the model-parallel sizes."""
     if not strategy_class(cfg).uses_dp:
         return 1
-    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    return world // (int(cfg.tp) * int(cfg.pp))
+    if cfg.dp == "auto":
+        return max(1, world_size(cfg) // (int(cfg.tp) * int(cfg.pp)))
+    return int(cfg.dp)
 
 
 def gradient_accumulation_steps(cfg: DictConfig) -> int:
@@ -236,6 +248,7 @@ def _validate_trainer(t: DictConfig) -> None:
     _require(t.num_threads is None or t.num_threads >= 1, "trainer.num_threads",
              f"must be >= 1 or null, got {t.num_threads}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
+    _require(t.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {t.max_restarts}")
 
 
 def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
@@ -254,11 +267,47 @@ def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
         _require(isinstance(value, int) and value >= 1, key, f"must be a positive integer, got {value!r}")
         _require(value == 1 or getattr(strategy, flag), key,
                  f"{key}={value} needs {hint} (strategy={name} does not use it)")
-    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    world = world_size(cfg)
     if not (strategy.uses_dp or strategy.uses_tp or strategy.uses_pp):
         _require(world == 1, "trainer.devices",
                  f"trainer.devices x trainer.num_nodes = {world} processes, but strategy={name} runs one "
                  "process: pick a multi-process strategy (ddp, zero1, zero2, zero3, fsdp, tp, pp, 3d)")
+        return
+    model_parallel = int(cfg.tp) * int(cfg.pp)
+    if cfg.dp == "auto":
+        _require(world % model_parallel == 0, "trainer.devices",
+                 f"trainer.devices x trainer.num_nodes = {world} is not divisible by tp x pp = "
+                 f"{cfg.tp} x {cfg.pp} = {model_parallel}")
+    else:
+        product = int(cfg.dp) * model_parallel
+        _require(product == world, "dp",
+                 f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {product} does not match trainer.devices x "
+                 f"trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = {world}")
+    _require(cfg.trainer.num_nodes == 1 or cfg.trainer.rdzv_endpoint is not None or _inside_launcher(),
+             "trainer.rdzv_endpoint",
+             "a multi-node run started with `python -m trainer` needs trainer.rdzv_endpoint=HOST:PORT "
+             "(node 0's address); under torchrun or srun it is not needed")
+
+
+def _inside_launcher() -> bool:
+    from trainer.launch import distributed_environment
+
+    return distributed_environment() is not None
+
+
+def _validate_strategy(cfg: DictConfig) -> None:
+    """The strategy's own checks (options, how the data-parallel size factors), before any worker."""
+    from hydra.utils import instantiate
+
+    from hydra.errors import InstantiationException
+
+    try:
+        strategy = instantiate(cfg.strategy)
+        if strategy.uses_dp:
+            strategy.data_parallel_split(data_parallel_size(cfg))
+    except (ValueError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+        raise ConfigError("strategy", str(cause).splitlines()[0]) from None
 
 
 def _validate_batch(cfg: DictConfig) -> None:
@@ -342,6 +391,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_trainer(cfg.trainer)
     _validate_targets(cfg)
     _validate_parallel_shortcuts(cfg)
+    _validate_strategy(cfg)
     _validate_batch(cfg)
     _validate_model(cfg)
     _validate_optimization(cfg)

@@ -17,23 +17,35 @@ GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 }
 
 
+def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.matmul(a, b)
+    if a.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 @functools.lru_cache(maxsize=None)
-def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32, size: int = 2048,
-                         repeats: int = 4) -> float:
-    """Best achieved FLOP/s of a square matmul on this device and thread count (the MFU reference)."""
+def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32,
+                         min_seconds: float = 0.2, max_size: int = 4096, repeats: int = 3) -> float:
+    """Best achieved FLOP/s of a square matmul on this device and thread count (the MFU reference).
+
+    BLAS efficiency grows with the matrix size, so the size doubles until one product takes
+    `min_seconds` (or reaches `max_size`): the figure is what the hardware sustains, not the
+    overhead of a small call.
+    """
     device = torch.device(device_type)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm-up: thread pool, kernels
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    size = 512
+    while True:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        torch.matmul(a, b)  # warm-up: thread pool, kernels
+        if size >= max_size or _time_matmul(a, b) >= min_seconds:
+            break
+        size *= 2
+    best = min(_time_matmul(a, b) for _ in range(repeats))
     return 2 * size**3 / best
 
 

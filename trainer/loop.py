@@ -7,8 +7,10 @@ The loop only sequences them and reports.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -19,7 +21,9 @@ from plugins.strategies import Strategy
 from trainer.callback import Callback
 from trainer.config import TrainerConfig
 from trainer.hardware import peak_memory_bytes
+from trainer.memory import state_bytes
 
+log = logging.getLogger("trainer")
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -39,10 +43,12 @@ class Trainer:
         val_set: MicroBatches,
         total_steps: int,
         tokens_per_step: int,
+        num_params: int,
         flops_per_token: int,
         peak_flops: float,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Any] = (),
+        run_dir: Path = Path("."),
     ) -> None:
         self.config = config
         self.strategy = strategy
@@ -54,10 +60,12 @@ class Trainer:
         self.val_set = val_set
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
+        self.num_params = num_params  # of the whole model, whatever this rank holds
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.callbacks = list(callbacks)
         self.loggers = list(loggers)
+        self.run_dir = run_dir  # shared by all ranks
 
         self.step = 0  # optimizer steps taken (restored by a checkpoint)
         self.start_step = 0
@@ -67,6 +75,7 @@ class Trainer:
         self.last_train_loss = math.nan
         self.train_time_s = 0.0  # time spent in training steps only (no validation, no logging I/O)
         self._start_tokens = 0
+        self.state_bytes: dict[str, int] | None = None
         self._interval = (0.0, 0)  # train time and tokens at the last log
 
     @property
@@ -115,9 +124,12 @@ class Trainer:
         self.precision.unscale_gradients(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
         self._call("on_before_optimizer_step", self.optimizer)
-        stepped = self.precision.optimizer_step(self.optimizer)
+        stepped = self.strategy.optimizer_step(self.optimizer, self.precision)
+        if self.state_bytes is None:  # first step: gradients and optimizer states now exist
+            self.state_bytes = state_bytes(self.model_parts, self.optimizer)
+            log.info("state held per rank: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.state_bytes.items()))
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad(self.model_parts, self.optimizer)
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
@@ -172,6 +184,7 @@ class Trainer:
         tokens_per_s, mfu = self.throughput(tokens, self.train_time_s)
         val_losses = [loss for _, loss in self.val_history]
         return {
+            "num_params": self.num_params,
             "final_val_loss": val_losses[-1] if val_losses else None,
             "best_val_loss": min(val_losses) if val_losses else None,
             "final_train_loss": self.last_train_loss,
@@ -185,4 +198,6 @@ class Trainer:
             "flops_per_token": self.flops_per_token,
             "world_size": self.strategy.world_size,
             "peak_memory_bytes_per_rank": self.strategy.all_gather_object(peak_memory_bytes(self.strategy.device)),
+            # parameters, gradients and optimizer states held by each rank (its shards), after step 1
+            "state_bytes_per_rank": self.strategy.all_gather_object(self.state_bytes),
         }

@@ -176,11 +176,10 @@ def build_optimizer(
     return optimizer_factory(groups)
 
 
-def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:
-    """Build an optimizer from an ``optimizer`` config node (e.g. ``adamw.yaml``).
+def optimizer_factory_from_config(cfg: DictConfig) -> tuple[functools.partial, float]:
+    """The optimizer class bound to its options, and the weight decay of the "decay" group.
 
-    ``weight_decay`` is popped from the config (0.0 if absent) and applied
-    through :func:`build_optimizer`; the rest is instantiated as a partial.
+    ``weight_decay`` is popped from the config (0.0 if absent) so that it can be applied per group.
     """
     # A plain container: structured configs refuse pop() and would hand
     # ListConfig betas to torch.
@@ -190,5 +189,10 @@ def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torc
     options.pop("defaults", None)
     weight_decay = float(options.pop("weight_decay", 0.0))
     options["_partial_"] = True
-    factory = hydra.utils.instantiate(options)
+    return hydra.utils.instantiate(options), weight_decay
+
+
+def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:
+    """Build an optimizer from an ``optimizer`` config node (e.g. ``adamw.yaml``)."""
+    factory, weight_decay = optimizer_factory_from_config(cfg)
     return build_optimizer(factory, modules, weight_decay)

@@ -16,9 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.config import ConfigError, tokens_per_step, total_steps, validate
 from trainer.data import StatefulLoader, TokenWindows, val_batches
 from trainer.hardware import peak_flops
+from trainer.launch import agree_on_run_dir
 from trainer.loop import Trainer
 from trainer.models import build_meta_model
-from trainer.optim import optimizer_from_config
 
 log = logging.getLogger("trainer")
 
@@ -39,17 +39,21 @@ def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> 
     t = cfg.trainer
     loader = StatefulLoader(TokenWindows(source.train_tokens(), t.seq_len), t.global_batch_size,
                             t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed)
-    val_set = val_batches(TokenWindows(source.val_tokens(), t.seq_len), t.val_batches, t.micro_batch_size,
-                          dp_rank=dp_rank, dp_size=dp_size)
+    # The validation set is val_batches global batches whatever the parallelism, so val losses of
+    # different strategies and world sizes are comparable; each rank evaluates its slice.
+    accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
+    val_set = val_batches(TokenWindows(source.val_tokens(), t.seq_len), t.val_batches * accumulation,
+                          t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     return loader, val_set
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Train the configured model; write summary.json into run_dir and return the summary."""
+def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
+    """Everything a run needs, in the order it needs it, handed to the loop."""
     validate(cfg)
     t = cfg.trainer
     strategy = instantiate(cfg.strategy)
-    strategy.setup_environment(t.accelerator, t.num_threads)
+    strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp)
+    run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
     precision = instantiate(cfg.precision)
     seed_everything(t.seed, verbose=False)
@@ -60,7 +64,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     flops_per_token = model.flops_per_token(t.seq_len)
     model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), precision, t.compile)
 
-    optimizer = optimizer_from_config(cfg.optimizer, model_parts)
+    optimizer = strategy.build_optimizer(cfg.optimizer, model_parts)
     steps = total_steps(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.lr_schedule)(total_steps=steps))
     train_loader, val_set = build_data(cfg, model.config.vocab_size, strategy.dp_rank, strategy.dp_size)
@@ -77,7 +81,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     log.info(f"model {cfg.model.name}: {num_params:,} parameters; {steps} steps of "
              f"{tokens_per_step(cfg):,} tokens; run dir {run_dir}")
 
-    trainer = Trainer(
+    return Trainer(
         config=OmegaConf.to_object(t),
         strategy=strategy,
         precision=precision,
@@ -88,17 +92,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         val_set=val_set,
         total_steps=steps,
         tokens_per_step=tokens_per_step(cfg),
+        num_params=num_params,
         flops_per_token=flops_per_token,
         peak_flops=t.peak_flops or peak_flops(strategy.device, precision.compute_dtype),
         callbacks=[instantiate(node) for node in cfg.callbacks.values()],
         loggers=loggers,
+        run_dir=run_dir,
     )
-    summary = {"num_params": num_params, **trainer.fit()}
-    if strategy.is_global_zero:
-        path = run_dir / "summary.json"
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train the configured model; write summary.json into run_dir and return the summary."""
+    trainer = build_trainer(cfg, run_dir)
+    summary = trainer.fit()
+    if trainer.is_global_zero:
+        path = trainer.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
         log.info(f"final val_loss {summary['final_val_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
                  f"MFU {100 * summary['mfu']:.1f}%")
         log.info(f"summary: {path}")
-    strategy.teardown()
+    trainer.strategy.teardown()
     return summary

@@ -1,5 +1,11 @@
 """Strategy plugins: how the model is placed, split and kept in sync across processes."""
 
 from plugins.strategies.base import SingleDevice, SingleDeviceConfig, Strategy
+from plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
+from plugins.strategies.distributed import DistributedStrategy
+from plugins.strategies.fsdp import FSDP, FSDPConfig
 
-__all__ = ["Strategy", "SingleDevice", "SingleDeviceConfig"]
+__all__ = [
+    "Strategy", "SingleDevice", "SingleDeviceConfig", "DistributedStrategy",
+    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "FSDP", "FSDPConfig",
+]

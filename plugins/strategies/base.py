@@ -12,10 +12,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+from omegaconf import DictConfig
 
 from plugins.activation_checkpointing import ActivationCheckpointing
 from plugins.precision import Precision
 from trainer.loss import cross_entropy_loss
+from trainer.optim import optimizer_from_config
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,8 +60,11 @@ class Strategy:
         self.local_rank = 0
 
     # ---- topology -----------------------------------------------------------------------------------
-    def setup_environment(self, accelerator: str, num_threads: int | None) -> None:
-        """Pick the device and the intra-op thread count (process group init in distributed subclasses)."""
+    def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
+                          pp: int = 1) -> None:
+        """Pick the device and the intra-op thread count; distributed subclasses also join the process
+        group and build the mesh from the parallel sizes (ignored here: everything is 1)."""
+        del dp, tp, pp
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)
@@ -99,8 +104,19 @@ class Strategy:
         model.to(dtype=precision.param_dtype)
         return [model]
 
-    def model_state_dict(self, model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-        return model_parts[0].state_dict()
+    def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
+        """The configured optimizer over the model parts (ZeRO-1 wraps it to shard its states)."""
+        return optimizer_from_config(optimizer_cfg, model_parts)
+
+    def full_state_dict(self, model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+        """The unsharded, unwrapped model weights on CPU (every rank takes part; use rank 0's)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        merged: dict[str, torch.Tensor] = {}
+        for part in model_parts:
+            merged.update(get_model_state_dict(part, options=options))
+        return merged
 
     # ---- step ---------------------------------------------------------------------------------------
     def forward_backward(
@@ -144,6 +160,15 @@ class Strategy:
             total += cross_entropy_loss(logits, targets.to(self.device))
         model.train()
         return self.reduce_mean(total / len(batches)).item()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+        """Step the optimizer (through the precision plugin, which may skip); True if it stepped."""
+        return precision.optimizer_step(optimizer)
+
+    def zero_grad(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for part in model_parts:  # an optimizer over views of the parameters does not own their .grad
+            part.zero_grad(set_to_none=True)
 
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         """Global gradient norm over every parameter; clip to max_norm when max_norm > 0."""

@@ -1,0 +1,162 @@
+"""Shared base of the multi-process strategies: process group, mesh, collectives, weight materialization."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from plugins.activation_checkpointing import ActivationCheckpointing
+from plugins.precision import Precision
+from plugins.strategies.base import Strategy, compile_blocks
+from trainer.parallel_dims import ParallelDims
+
+log = logging.getLogger("trainer")
+# Above this many bytes of fp32 weights, `init=auto` initializes shards in place instead of building the
+# full model on every rank first.
+FULL_INIT_MAX_BYTES = 4 * 2**30
+
+
+def init_process_group(device: torch.device, timeout_s: float = 600.0) -> bool:
+    """nccl for CUDA tensors (gloo kept for CPU objects and offloaded states), gloo on CPU.
+
+    Returns False when a process group already exists (a program embedding the trainer made it, and
+    will destroy it).
+    """
+    if dist.is_initialized():
+        return False
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+class DistributedStrategy(Strategy):
+    """A strategy over several processes started by the launcher, torchrun or srun."""
+
+    uses_dp = True
+
+    def __init__(self, init: str = "auto", name: str | None = None) -> None:
+        super().__init__()
+        if init not in ("auto", "full", "sharded"):
+            raise ValueError(f"init must be auto, full or sharded, got {init!r}")
+        self.init = init
+        self.name = name or self.name  # zero2/zero3 are fsdp configurations with their own name
+        self.parallel_dims: ParallelDims | None = None
+        self._owns_process_group = False
+
+    # ---- topology -----------------------------------------------------------------------------------
+    def data_parallel_split(self, dp: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) for `dp` data-parallel ranks; replication unless overridden."""
+        return dp, 1
+
+    def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
+                          pp: int = 1) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        super().setup_environment(accelerator, num_threads or max(1, (os.cpu_count() or 1) // local_world))
+        self._owns_process_group = init_process_group(self.device)
+        data_parallel = self.world_size // (tp * pp) if dp == "auto" else int(dp)
+        replicate, shard = self.data_parallel_split(data_parallel)
+        self.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp,
+                                          world_size=self.world_size)
+        self.parallel_dims.build_mesh(self.device.type)
+
+    @property
+    def dims(self) -> ParallelDims:
+        assert self.parallel_dims is not None, "setup_environment() first"
+        return self.parallel_dims
+
+    @property
+    def dp_rank(self) -> int:
+        mesh = self.dims.dp_mesh()
+        return mesh.get_local_rank() if mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    # ---- model --------------------------------------------------------------------------------------
+    def full_init(self, model: nn.Module) -> bool:
+        if self.init != "auto":
+            return self.init == "full"
+        return sum(p.numel() for p in model.parameters()) * 4 <= FULL_INIT_MAX_BYTES
+
+    def materialize(self, model: nn.Module) -> None:
+        """Allocate the (possibly sharded) weights on the device and initialize them from the seed."""
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights()  # type: ignore[operator]
+
+    def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
+        """Apply the data-parallel wrapper (DDP, fully_shard...). Identity by default."""
+        del precision
+        return model
+
+    def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
+                    precision: Precision, compile: bool) -> list[nn.Module]:
+        # Fixed order for every strategy:
+        # 1. tensor parallel (the model-parallel strategies shard Linear weights here),
+        # 2. activation checkpointing (wraps whole blocks, after TP so it sees the sharded modules),
+        # 3. compile per block (after AC, so the recompute region is inside the compiled graph),
+        # 4. data-parallel wrapping last: DDP/FSDP need the final module structure.
+        # Weights are initialized in full before wrapping when they fit (`init=full`), which gives
+        # bitwise the same initial weights as a single-process run; big models are initialized shard by
+        # shard after wrapping (`init=sharded`).
+        self.apply_model_parallel(model)
+        activation_checkpointing.apply(model)
+        if compile:
+            compile_blocks(model)
+        full = self.full_init(model)
+        if full:
+            self.materialize(model)
+            model.to(dtype=precision.param_dtype)
+        wrapped = self.wrap_data_parallel(model, precision)
+        if not full:
+            self.materialize(wrapped)
+        return [wrapped]
+
+    def apply_model_parallel(self, model: nn.Module) -> None:
+        """Tensor parallelism hook (the model-parallel strategies override it)."""
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return getattr(module, "module", module)
+
+    # ---- collectives ----------------------------------------------------------------------------------
+    def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean over the data-parallel ranks (gloo has no AVG, so SUM then divide)."""
+        mesh = self.dims.dp_mesh()
+        if mesh is None:
+            return tensor
+        tensor = tensor.detach().clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group())
+        return tensor / mesh.size()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's value of `obj` on every rank."""
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def clip_grad_norm(self, model_parts: Any, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm(model_parts, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def teardown(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
