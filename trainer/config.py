@@ -295,6 +295,14 @@ def _inside_launcher() -> bool:
     return distributed_environment() is not None
 
 
+def _device_type(accelerator: str) -> str:
+    import torch
+
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
 def _validate_strategy(cfg: DictConfig) -> None:
     """The strategy's own checks (options, how the data-parallel size factors), before any worker."""
     from hydra.utils import instantiate
@@ -303,6 +311,7 @@ def _validate_strategy(cfg: DictConfig) -> None:
 
     try:
         strategy = instantiate(cfg.strategy)
+        strategy.check_device(_device_type(cfg.trainer.accelerator))
         if strategy.uses_dp:
             strategy.data_parallel_split(data_parallel_size(cfg))
     except (ValueError, InstantiationException) as error:

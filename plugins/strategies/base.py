@@ -69,6 +69,9 @@ class Strategy:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)
 
+    def check_device(self, device_type: str) -> None:
+        """Raise ValueError when an option cannot work on this device type (checked before launch)."""
+
     @property
     def dp_rank(self) -> int:
         return 0

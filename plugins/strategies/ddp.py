@@ -47,6 +47,11 @@ class DDP(DistributedStrategy):
         self.powersgd_start_iter = powersgd_start_iter
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
+    def check_device(self, device_type: str) -> None:
+        if self.comm_hook == "bf16" and device_type != "cuda":
+            raise ValueError("comm_hook=bf16 needs CUDA with NCCL >= 2.10 (torch's bf16_compress_hook); "
+                             "on CPU use comm_hook=fp16 or powersgd")
+
     def full_init(self, model: nn.Module) -> bool:
         return True  # every rank holds the full model anyway; DDP also broadcasts rank 0's weights
 

@@ -46,6 +46,7 @@ class FSDP(DistributedStrategy):
         self.reshard_after_forward = (sharding != "shard_grad_op" if reshard_after_forward is None
                                       else reshard_after_forward)
         self.offload = offload_params or offload_optimizer
+        self._offload_noted = False
 
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
         if self.sharding != "hybrid_shard":
@@ -66,10 +67,10 @@ class FSDP(DistributedStrategy):
         if not self.offload:
             return OffloadPolicy()
         if self.device.type == "cpu":
-            if not getattr(self, "_said_offload", False) and self.is_global_zero:
+            if not self._offload_noted and self.is_global_zero:
                 log.warning("offload: the weights and optimizer states already live in CPU memory; "
                             "offloading changes nothing here and is skipped")
-            self._said_offload = True
+            self._offload_noted = True
             return OffloadPolicy()
         # FSDP2 offloads the sharded parameters, their gradients and the optimizer step together.
         return CPUOffloadPolicy(pin_memory=True)
