@@ -24,7 +24,7 @@ trainer / reference (acceptance target >= 0.95; reported, never asserted), MFU o
 measured matmul peak of one process (`trainer.hardware.measure_matmul_flops`) times the world size, the
 final training loss of each side (a check that both did the same work), and the settings.
 
-    python benchmarks/ddp_overhead.py                       # tiny model, 3 x (23 + 23) steps; ~3-4 min on 2 cores
+    python benchmarks/ddp_overhead.py          # tiny model, 3 x (23 + 23) steps: ~4 min on 2 cores
     python benchmarks/ddp_overhead.py --steps 3 --warmup 1 --repeats 1 \\
         model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.ffn_hidden_dim=128 \\
         trainer.seq_len=64 data.max_bytes=1000000    # smoke test, ~30 s
@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ from trainer.callback import Callback  # noqa: E402
 from trainer.config import compose, total_steps  # noqa: E402
 from trainer.hardware import measure_matmul_flops  # noqa: E402
 from trainer.models import build_meta_model, build_model  # noqa: E402
+from trainer.models.common import CausalLM  # noqa: E402
 from trainer.run import build_data, build_trainer  # noqa: E402
 
 TARGET_RATIO = 0.95
@@ -159,7 +160,7 @@ def run_reference(cfg: DictConfig, warmup: int, tokens_per_step: int) -> tuple[f
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model)
     if cfg.trainer.compile:  # per block, as the trainer does, so both compile the same graphs
-        for block in model.layers.values():
+        for block in cast(nn.ModuleDict, model.layers).values():
             block.compile()
     ddp = DistributedDataParallel(model)  # torch's defaults: 25 MB buckets, rank 0's weights broadcast
     opt = cfg.optimizer
@@ -243,7 +244,8 @@ def worker(args: argparse.Namespace) -> None:
     peak = measure_matmul_flops("cpu", torch.float32)
     peak_per_rank: list[float] = [0.0] * world
     dist.all_gather_object(peak_per_rank, peak)
-    flops_per_token = build_meta_model(cfg.model).flops_per_token(cfg.trainer.seq_len)
+    meta = cast(CausalLM, build_meta_model(cfg.model))  # shapes only: no memory
+    flops_per_token = meta.flops_per_token(cfg.trainer.seq_len)
 
     ours: list[float] = []
     reference: list[float] = []
@@ -257,17 +259,18 @@ def worker(args: argparse.Namespace) -> None:
             print(f"run {repeat + 1}/{args.repeats}: trainer {ours[-1]:,.0f} tok/s, "
                   f"reference {reference[-1]:,.0f} tok/s, ratio {ours[-1] / reference[-1]:.3f}", flush=True)
 
-    total_peak = peak_per_rank[0] * world  # the brief's convention: one process's peak x world size
+    total_peak = peak_per_rank[0] * world  # as Trainer.throughput: one process's peak x world size
     ours_median, ref_median = statistics.median(ours), statistics.median(reference)
     ratio = ours_median / ref_median
-    results = {
+    ours_mfu, ref_mfu = ours_median * flops_per_token / total_peak, ref_median * flops_per_token / total_peak
+    results: dict[str, Any] = {
         "trainer_tokens_per_s": ours_median,
         "reference_tokens_per_s": ref_median,
         "ratio": ratio,
         "target_ratio": TARGET_RATIO,
         "meets_target": ratio >= TARGET_RATIO,
-        "trainer_mfu": ours_median * flops_per_token / total_peak,
-        "reference_mfu": ref_median * flops_per_token / total_peak,
+        "trainer_mfu": ours_mfu,
+        "reference_mfu": ref_mfu,
         "trainer_runs": ours,
         "reference_runs": reference,
         "trainer_final_train_loss": losses["trainer"],
@@ -277,7 +280,7 @@ def worker(args: argparse.Namespace) -> None:
         "flops_per_token": flops_per_token,
         "settings": {
             "world_size": world, "threads_per_rank": threads, "model": cfg.model.name,
-            "num_params": build_meta_model(cfg.model).num_params(), "steps": args.steps,
+            "num_params": meta.num_params(), "steps": args.steps,
             "warmup": args.warmup, "repeats": args.repeats, "seq_len": cfg.trainer.seq_len,
             "global_batch_size": cfg.trainer.global_batch_size,
             "micro_batch_size": cfg.trainer.micro_batch_size, "grad_accumulation": accumulation,
@@ -287,8 +290,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     if rank == 0:
         print(f"trainer {ours_median:,.0f} tok/s, reference {ref_median:,.0f} tok/s, ratio {ratio:.3f} "
-              f"(target >= {TARGET_RATIO}), MFU {100 * results['trainer_mfu']:.1f}% vs "
-              f"{100 * results['reference_mfu']:.1f}%", flush=True)
+              f"(target >= {TARGET_RATIO}), MFU {100 * ours_mfu:.1f}% vs {100 * ref_mfu:.1f}%", flush=True)
         print(json.dumps(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -79,13 +79,12 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -93,6 +92,7 @@ from trainer.callback import Callback  # noqa: E402
 from trainer.config import compose, total_steps  # noqa: E402
 from trainer.hardware import measure_matmul_flops  # noqa: E402
 from trainer.models import build_meta_model, build_model  # noqa: E402
+from trainer.models.common import CausalLM  # noqa: E402
 from trainer.run import build_data, build_trainer  # noqa: E402
 
 SIDES = ("ours", "deepspeed")
@@ -431,9 +431,14 @@ def launch(argv: list[str], args: argparse.Namespace, extra: list[str]) -> tuple
 
 
 def _failure_reason(output: str, returncode: int) -> str:
-    """The most telling line of a failed launch: the last exception line, else the last lines."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    """The most telling line of a failed launch: a worker's exception, else the last lines.
+
+    torchrun prefixes worker lines with `[rankN]:` and ends with its own ChildFailedError, which says
+    only that a worker failed; the worker's exception line is the one that says why.
+    """
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines
+              if re.match(r"^[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line]
     if errors:
         return errors[-1][:500]
     return f"exit code {returncode}: " + " | ".join(lines[-5:])[:500]
@@ -494,35 +499,34 @@ def main() -> None:
     stages = [int(s) for s in args.stages.split(",") if s]
     cfg = compose(common_overrides(args, 1))
     tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
-    meta = build_meta_model(cfg.model)
+    meta = cast(CausalLM, build_meta_model(cfg.model))  # shapes only: no memory
     flops_per_token = meta.flops_per_token(cfg.trainer.seq_len)
     ds_version, ds_reason = deepspeed_installed()
 
     peak_runs, reason = launch(argv, args, ["--side", "peak"])
-    if peak_runs is None:
-        raise SystemExit(f"could not start {args.nproc} gloo workers: {reason}")
+    if peak_runs is None:  # nothing can run: still end with the one JSON line
+        print(json.dumps({"error": f"could not start {args.nproc} gloo workers: {reason}"}), flush=True)
+        raise SystemExit(1)
     peak_per_rank = [r["peak_matmul_flops"] for r in peak_runs]
     total_peak = peak_per_rank[0] * args.nproc  # one process's peak x the world size
     print(f"matmul peak per process {peak_per_rank[0] / 1e9:.1f} GFLOP/s", flush=True)
 
     runs: dict[tuple[int, str], list[list[dict[str, Any]]]] = {(k, s): [] for k in stages for s in SIDES}
-    errors: dict[str, str] = {}
+    # a (stage, side) that failed once is not launched again; other stages still are
+    errors: dict[tuple[int, str], str] = {}
     for repeat in range(args.repeats):  # alternate sides (and stages), so drifts hit all alike
         for stage in stages:
             for side in SIDES:
-                if side == "deepspeed" and ds_reason is not None:
-                    continue
-                if side == "ours" and f"zero{stage}" in errors:
+                if (side == "deepspeed" and ds_version is None) or (stage, side) in errors:
                     continue
                 extra = ["--side", side, "--stage", str(stage), "--peak-flops", repr(peak_per_rank[0])]
                 result, reason = launch(argv, args, extra)
-                label = f"stage {stage} {'ours (zero%d)' % stage if side == 'ours' else 'deepspeed'}"
+                label = f"stage {stage} " + (f"ours (zero{stage})" if side == "ours" else "deepspeed")
                 if result is None:
                     print(f"{label}: FAILED: {reason}", flush=True)
-                    if side == "deepspeed":
+                    errors[(stage, side)] = reason
+                    if side == "deepspeed" and ds_reason is None:
                         ds_reason = f"stage {stage}: {reason}"
-                    else:
-                        errors[f"zero{stage}"] = reason
                     continue
                 runs[(stage, side)].append(result)
                 speed = tokens_per_s(result, args.warmup, tokens_per_step)
@@ -539,8 +543,9 @@ def main() -> None:
                                         total_peak)
         if "ours" in entry and "deepspeed" in entry:
             entry["ratio"] = entry["ours"]["tokens_per_s"] / entry["deepspeed"]["tokens_per_s"]
-        if f"zero{stage}" in errors:
-            entry["ours_error"] = errors[f"zero{stage}"]
+        for side in SIDES:
+            if (stage, side) in errors:
+                entry[f"{side}_error"] = errors[(stage, side)]
         per_stage[str(stage)] = entry
         if "ours" in entry:
             line = f"stage {stage}: ours {entry['ours']['tokens_per_s']:,.0f} tok/s"
@@ -567,7 +572,8 @@ def main() -> None:
                        "model/optimizer/engine/data were built, at its highest until the timed steps ended "
                        "(fresh process per launch; VmHWM reset via /proc/self/clear_refs). state_bytes: ours "
                        "= trainer.state_bytes; deepspeed = distinct storages reachable from the model and the "
-                       "ZeRO optimizer, by kind (master_params = DeepSpeed's fp32 partition copy).",
+                       "ZeRO optimizer, by kind (master_params = DeepSpeed's fp32 partition copy, buckets = "
+                       "its gradient reduce buckets, allocated whole). See the module docstring.",
         "settings": {
             "world_size": args.nproc, "model": cfg.model.name, "num_params": meta.num_params(),
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,

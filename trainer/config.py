@@ -158,7 +158,7 @@ def register_configs() -> None:
         WSDScheduleConfig,
     )
     from plugins.precision import FP32PrecisionConfig
-    from plugins.strategies import DDPConfig, FSDPConfig, SingleDeviceConfig, ZeRO1Config
+    from plugins.strategies import STRATEGY_SCHEMAS
     from trainer.data import StdlibDataConfig, TokenFileDataConfig
     from trainer.models import GPTConfig, LlamaConfig
     from trainer.optim import AdamWConfig, SGDConfig
@@ -168,7 +168,7 @@ def register_configs() -> None:
     schemas: dict[str, dict[str, Any]] = {
         "model": {"llama": LlamaConfig, "gpt": GPTConfig},
         "data": {"stdlib": StdlibDataConfig, "token_file": TokenFileDataConfig},
-        "strategy": {"single": SingleDeviceConfig, "ddp": DDPConfig, "zero1": ZeRO1Config, "fsdp": FSDPConfig},
+        "strategy": STRATEGY_SCHEMAS,
         "precision": {"fp32": FP32PrecisionConfig},
         "activation_checkpointing": {"none": NoCheckpointingConfig},
         "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
@@ -274,7 +274,11 @@ def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
                  "process: pick a multi-process strategy (ddp, zero1, zero2, zero3, fsdp, tp, pp, 3d)")
         return
     model_parallel = int(cfg.tp) * int(cfg.pp)
-    if cfg.dp == "auto":
+    if not strategy.uses_dp:
+        _require(model_parallel == world, "trainer.devices",
+                 f"strategy={name} has no data parallelism, so tp x pp = {cfg.tp} x {cfg.pp} = {model_parallel} "
+                 f"must equal trainer.devices x trainer.num_nodes = {world}; for dp x tp x pp pick strategy=3d")
+    elif cfg.dp == "auto":
         _require(world % model_parallel == 0, "trainer.devices",
                  f"trainer.devices x trainer.num_nodes = {world} is not divisible by tp x pp = "
                  f"{cfg.tp} x {cfg.pp} = {model_parallel}")

@@ -5,7 +5,16 @@ from plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
 from plugins.strategies.distributed import DistributedStrategy
 from plugins.strategies.fsdp import FSDP, FSDPConfig
 
+# Schema of each strategy, registered in Hydra's ConfigStore as `<name>_schema` (conf/strategy/*.yaml
+# names it in its defaults list).
+STRATEGY_SCHEMAS: dict[str, type] = {
+    "single": SingleDeviceConfig,
+    "ddp": DDPConfig,
+    "zero1": ZeRO1Config,
+    "fsdp": FSDPConfig,
+}
+
 __all__ = [
     "Strategy", "SingleDevice", "SingleDeviceConfig", "DistributedStrategy",
-    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "FSDP", "FSDPConfig",
+    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "FSDP", "FSDPConfig", "STRATEGY_SCHEMAS",
 ]

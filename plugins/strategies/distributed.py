@@ -63,7 +63,10 @@ class DistributedStrategy(Strategy):
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         super().setup_environment(accelerator, num_threads or max(1, (os.cpu_count() or 1) // local_world))
         self._owns_process_group = init_process_group(self.device)
-        data_parallel = self.world_size // (tp * pp) if dp == "auto" else int(dp)
+        if not self.uses_dp:
+            data_parallel = 1
+        else:
+            data_parallel = self.world_size // (tp * pp) if dp == "auto" else int(dp)
         replicate, shard = self.data_parallel_split(data_parallel)
         self.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp,
                                           world_size=self.world_size)
@@ -102,7 +105,8 @@ class DistributedStrategy(Strategy):
 
     def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
                     precision: Precision, compile: bool) -> list[nn.Module]:
-        # Fixed order for every strategy:
+        # Pipeline parallelism first cuts the (meta) model into this rank's stages; every part then goes
+        # through the same fixed order:
         # 1. tensor parallel (the model-parallel strategies shard Linear weights here),
         # 2. activation checkpointing (wraps whole blocks, after TP so it sees the sharded modules),
         # 3. compile per block (after AC, so the recompute region is inside the compiled graph),
@@ -110,18 +114,25 @@ class DistributedStrategy(Strategy):
         # Weights are initialized in full before wrapping when they fit (`init=full`), which gives
         # bitwise the same initial weights as a single-process run; big models are initialized shard by
         # shard after wrapping (`init=sharded`).
-        self.apply_model_parallel(model)
-        activation_checkpointing.apply(model)
-        if compile:
-            compile_blocks(model)
         full = self.full_init(model)
-        if full:
+        if full:  # before the split and TP, so every shard and stage holds the single-process weights
             self.materialize(model)
             model.to(dtype=precision.param_dtype)
-        wrapped = self.wrap_data_parallel(model, precision)
-        if not full:
-            self.materialize(wrapped)
-        return [wrapped]
+        parts = []
+        for part in self.split_pipeline(model):
+            self.apply_model_parallel(part)
+            activation_checkpointing.apply(part)
+            if compile:
+                compile_blocks(part)
+            wrapped = self.wrap_data_parallel(part, precision)
+            if not full:
+                self.materialize(wrapped)
+            parts.append(wrapped)
+        return parts
+
+    def split_pipeline(self, model: nn.Module) -> list[nn.Module]:
+        """This rank's pipeline stages (one part, the whole model, without pipeline parallelism)."""
+        return [model]
 
     def apply_model_parallel(self, model: nn.Module) -> None:
         """Tensor parallelism hook (the model-parallel strategies override it)."""
