@@ -318,6 +318,11 @@ def _validate_strategy(cfg: DictConfig) -> None:
         strategy.check_device(_device_type(cfg.trainer.accelerator))
         if strategy.uses_dp:
             strategy.data_parallel_split(data_parallel_size(cfg))
+        # -- pipeline parallelism (plugins/strategies/pipeline.py): stages vs layers and micro-batches --
+        if getattr(strategy, "uses_pp", False) and hasattr(strategy, "validate_pipeline"):
+            strategy.validate_pipeline(num_layers=int(cfg.model.n_layers), pp=int(cfg.pp),
+                                       num_microbatches=gradient_accumulation_steps(cfg),
+                                       compile=bool(cfg.trainer.compile))
     except (ValueError, InstantiationException) as error:
         cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
         raise ConfigError("strategy", str(cause).splitlines()[0]) from None
@@ -337,6 +342,15 @@ def _validate_model(cfg: DictConfig) -> None:
         model_cfg = OmegaConf.to_object(cfg.model)  # the model configs check their shapes on creation
     except ValueError as error:
         raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
+    # ---- tensor parallelism (plugins/strategies/tensor_parallel.py): can the model split over tp? ----
+    check_tp = getattr(strategy_class(cfg), "check_tensor_parallel", None)
+    if check_tp is not None:
+        try:
+            check_tp(model_cfg, int(cfg.tp), int(cfg.trainer.seq_len),
+                     bool(cfg.strategy.get("sequence_parallel", True)))
+        except ValueError as error:
+            raise ConfigError("tp", str(error)) from None
+    # ---- end tensor parallelism ----
     max_seq_len = getattr(model_cfg, "max_seq_len", None)
     if max_seq_len is not None:
         _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",

@@ -4,6 +4,8 @@ from plugins.strategies.base import SingleDevice, SingleDeviceConfig, Strategy
 from plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
 from plugins.strategies.distributed import DistributedStrategy
 from plugins.strategies.fsdp import FSDP, FSDPConfig
+from plugins.strategies.tensor_parallel import TensorParallelConfig
+from plugins.strategies.pipeline import PipelineParallelConfig
 
 # Schema of each strategy, registered in Hydra's ConfigStore as `<name>_schema` (conf/strategy/*.yaml
 # names it in its defaults list).
@@ -12,6 +14,8 @@ STRATEGY_SCHEMAS: dict[str, type] = {
     "ddp": DDPConfig,
     "zero1": ZeRO1Config,
     "fsdp": FSDPConfig,
+    "tp": TensorParallelConfig,
+    "pp": PipelineParallelConfig,
 }
 
 __all__ = [

@@ -129,25 +129,29 @@ class Strategy:
         precision: Precision,
         on_before_backward: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; return the mean loss of this rank (detached).
-
-        Each micro-batch loss is divided by their number so that the accumulated gradient is the
-        gradient of the mean loss over the whole batch (all micro-batches hold the same token count).
-        """
+        """Accumulate gradients over the micro-batches; return the mean loss of this rank (detached)."""
         (model,) = model_parts
-        num_microbatches = len(microbatches)
         total = torch.zeros((), device=self.device)
         for inputs, targets in microbatches:
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            with precision.autocast():
-                logits = model(inputs)
-            loss = cross_entropy_loss(logits, targets) / num_microbatches
-            if on_before_backward is not None:
-                on_before_backward(loss)
-            precision.scale_loss(loss).backward()
-            total += loss.detach()
+            total += self.microbatch_backward(model, inputs, targets, len(microbatches), precision,
+                                              on_before_backward)
         return total
+
+    def microbatch_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                            num_microbatches: int, precision: Precision,
+                            on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss divided by the number of micro-batches
+        so that the accumulated gradient is the gradient of the mean loss (they hold equal token
+        counts). Returns that divided loss, detached."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        with precision.autocast():
+            logits = model(inputs)
+        loss = cross_entropy_loss(logits, targets) / num_microbatches
+        if on_before_backward is not None:
+            on_before_backward(loss)
+        precision.scale_loss(loss).backward()
+        return loss.detach()
 
     @torch.no_grad()
     def evaluate(

@@ -86,12 +86,12 @@ class DDP(DistributedStrategy):
         (ddp,) = model_parts
         total = torch.zeros((), device=self.device)
         last = len(microbatches) - 1
-        for index, microbatch in enumerate(microbatches):
+        for index, (inputs, targets) in enumerate(microbatches):
             # all-reduce only once the last micro-batch's gradient has been accumulated
             sync = contextlib.nullcontext() if index == last else ddp.no_sync()  # type: ignore[operator]
             with sync:
-                total += super().forward_backward(model_parts, [microbatch], precision, on_before_backward) \
-                    / len(microbatches)
+                total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), precision,
+                                                  on_before_backward)
         return total
 
 

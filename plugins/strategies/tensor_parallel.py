@@ -1,0 +1,252 @@
+"""Tensor parallelism (Megatron-LM style) on DTensor, with sequence parallelism and a vocab-parallel loss.
+
+Every transformer block is split over the `tp` ranks of the mesh (Shoeybi et al. 2019, "Megatron-LM"):
+
+- attention by heads: wq/wk/wv column-parallel (each rank owns n_heads/tp query heads and n_kv_heads/tp
+  key/value heads, so grouped-query attention keeps its grouping locally), wo row-parallel;
+- the SwiGLU MLP column- then row-parallel: w1/w3 column-parallel, w2 row-parallel;
+- with `sequence_parallel` (Korthikanti et al. 2022), the norms and the residual stream between blocks
+  are sharded on the sequence dimension: the all-reduce after wo/w2 becomes a reduce-scatter and the
+  input of attention/MLP an all-gather (same bytes moved, activation memory of norms and residuals / tp);
+- the token embedding is split on the vocabulary (row-parallel lookup, masked on each rank and summed)
+  and the output head on the vocabulary (column-parallel); with `loss_parallel` the logits stay sharded
+  on the vocabulary and the cross entropy runs on the shards (`trainer.loss.cross_entropy_loss`), which
+  never materializes the full [batch, seq, vocab] logits on one rank.
+
+Every parameter becomes a DTensor on the `tp` mesh (sharded or replicated), so gradient clipping sees
+the global norm and `full_state_dict` gathers the unsharded weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from plugins.strategies.distributed import DistributedStrategy
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters over the mesh; its input and output stay plain tensors.
+
+    Used for the norms when sequence parallelism is off: their input is the full (replicated) residual
+    stream, so each rank computes them whole. Making their weights Replicate DTensors anyway keeps every
+    parameter a DTensor, so torch's gradient clipping and the optimizer never mix plain and distributed
+    tensors (which they refuse).
+    """
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        del name
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            # from_local, not distribute_tensor: every rank already holds the same values (full init or
+            # ones), and on the meta device there is nothing to broadcast.
+            replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _to_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        del module
+        first, *rest = inputs
+        if not isinstance(first, DTensor):
+            first = DTensor.from_local(first, mesh, [Replicate()], run_check=False)
+        return (first, *rest)
+
+    @staticmethod
+    def _to_local(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        del module, mesh
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate_params, self._to_replicated, self._to_local)
+
+
+def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The parallel style of each submodule of one Llama TransformerBlock."""
+    # With sequence parallelism the residual stream is a DTensor sharded on the sequence (dim 1); it is
+    # kept as a DTensor (use_local_output=False) so that its shape stays global: the model reads the
+    # sequence length from it to slice the RoPE table.
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        # all-gather of the sequence-sharded normed input before the column-parallel projections
+        "attention": PrepareModuleInput(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)),
+        # heads split: each rank gets n_heads/tp query heads and n_kv_heads/tp key/value heads
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        # partial sums over heads: reduce-scatter to the sequence shards (SP) or all-reduce
+        "attention.wo": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
+        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
+    }
+    norm_style: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    plan["attention_norm"] = norm_style
+    plan["ffn_norm"] = norm_style
+    return plan
+
+
+def _check_llama_like(model: nn.Module) -> None:
+    for name, block in model.layers.items():  # type: ignore[union-attr]
+        attention = getattr(block, "attention", None)
+        if attention is None or not all(hasattr(attention, p) for p in ("wq", "wk", "wv", "wo")):
+            raise TypeError(
+                f"tensor parallelism needs separate wq/wk/wv/wo projections (the Llama family); layer {name} "
+                f"of {type(model).__name__} has {type(attention).__name__}"
+            )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> None:
+    """Shard `model` (a Llama or one of its pipeline stages) in place over the 1-D mesh `tp_mesh`.
+
+    Works on a materialized model (weights already identical on every rank: each rank keeps its shard)
+    and on a meta model (the DTensor parameters are materialized and initialized afterwards with
+    `to_empty` + `init_weights`). With `loss_parallel` the logits are a DTensor sharded on the vocabulary
+    (Shard(-1)); `trainer.loss.cross_entropy_loss` computes the loss on the shards. Otherwise they are
+    gathered into a plain tensor.
+
+    Pipeline stages (modules set to None) are supported. A stage's hidden-state input and output are
+    plain full tensors [B, S, dim], identical on the tp ranks, whatever `sequence_parallel` is, so the
+    pipeline sends the same shapes with and without tensor parallelism.
+    """
+    _check_llama_like(model)
+    residual = Shard(1) if sequence_parallel else Replicate()
+    tied = (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        # vocab-parallel lookup: rows Shard(0), out-of-range ids masked, partial sums reduced to the residual
+        # layout (reduce-scatter with SP, all-reduce without)
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                                 use_local_output=not sequence_parallel)
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if model.output is not None:
+        # weight Shard(0) on the vocabulary; the sequence-sharded input is all-gathered first
+        plan["output"] = ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    block_plan = _block_plan(sequence_parallel)
+    for block in model.layers.values():  # type: ignore[union-attr]
+        parallelize_module(block, tp_mesh, block_plan)
+
+    if tied:
+        # parallelize_module replaced tok_embeddings.weight by a new DTensor parameter and distributed
+        # output.weight separately; both are [vocab, dim] sharded Shard(0) on the same mesh, so one
+        # parameter serves both again (its gradient sums the lookup's and the head's contributions).
+        model.output.weight = model.tok_embeddings.weight
+
+    if sequence_parallel:
+        # Stage boundaries of a pipeline carry full replicated hidden states (see the docstring): a later
+        # stage slices its sequence shard locally (no communication) and a non-final stage all-gathers
+        # its output sequence.
+        if model.tok_embeddings is None:
+            parallelize_module(model, tp_mesh, PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
+        if model.output is None:
+            parallelize_module(model, tp_mesh, PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
+
+
+def _divisibility_problems(model_cfg: Any, tp: int) -> list[str]:
+    sizes = [
+        ("model.n_heads", model_cfg.n_heads, "query heads"),
+        ("model.n_kv_heads", model_cfg.num_kv_heads, "key/value heads"),
+        ("model.ffn_hidden_dim", model_cfg.hidden_dim, "MLP hidden width"),
+        ("model.vocab_size", model_cfg.vocab_size, "vocabulary rows"),
+    ]
+    return [f"{key}={value} ({what}) is not divisible by tp={tp}" for key, value, what in sizes if value % tp]
+
+
+class TensorParallel(DistributedStrategy):
+    """Tensor parallelism over all ranks (tp = world size): every rank sees the whole batch and holds
+    1/tp of each block's weights.
+
+    Composable: `apply_model_parallel` shards each part it is given (a pipeline stage as well as the
+    whole model) and calls `super()` first, so a `class ThreeD(PipelineParallel, TensorParallel)` gets
+    the pipeline split, then TP, then the data-parallel wrapping of the base `setup_model`.
+    """
+
+    name = "tp"
+    uses_tp = True
+    uses_dp = False
+
+    def __init__(self, sequence_parallel: bool = True, loss_parallel: bool = True, init: str = "auto",
+                 name: str | None = None, **kwargs: Any) -> None:
+        # **kwargs: options of the other bases of a combined strategy, passed along the MRO
+        super().__init__(init=init, name=name, **kwargs)
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+
+    @classmethod
+    def check_tensor_parallel(cls, model_cfg: Any, tp: int, seq_len: int, sequence_parallel: bool = True) -> None:
+        """Raise ValueError (one line) when `model_cfg` cannot be split over `tp` ranks.
+
+        Called by `trainer.config` before any process starts. Sizes are not padded: tp must divide the
+        query heads, the key/value heads, the MLP hidden width and the vocabulary (and, with sequence
+        parallelism, the sequence length).
+        """
+        from trainer.models.llama import LlamaConfig
+
+        uses_other = cls.uses_dp or cls.uses_pp  # a combined strategy may legitimately run with tp=1
+        if tp == 1 and not uses_other:
+            raise ValueError(f"strategy={cls.name} needs tp >= 2 (tp=1 splits nothing): e.g. tp=2 "
+                             "trainer.devices=2, or strategy=single for one process")
+        if tp == 1:
+            return
+        if not isinstance(model_cfg, LlamaConfig):
+            raise ValueError(
+                f"tensor parallelism supports the llama family only; model {model_cfg.name} "
+                f"({type(model_cfg).__name__}) fuses q/k/v into one wqkv projection that cannot be split by "
+                "heads: use a data-parallel strategy (ddp, zero1, zero2, zero3, fsdp) for it"
+            )
+        problems = _divisibility_problems(model_cfg, tp)
+        if sequence_parallel and seq_len % tp:
+            problems.append(f"trainer.seq_len={seq_len} (sequence parallelism) is not divisible by tp={tp}")
+        if problems:
+            raise ValueError(f"cannot split model {model_cfg.name} over tp={tp} ranks: " + "; ".join(problems))
+
+    def apply_model_parallel(self, model: nn.Module) -> None:
+        super().apply_model_parallel(model)
+        if self.dims.tp_enabled:
+            apply_tensor_parallel(model, self.dims.mesh["tp"], sequence_parallel=self.sequence_parallel,
+                                  loss_parallel=self.loss_parallel)
+
+
+@dataclass
+class TensorParallelConfig:
+    """Schema of `strategy=tp`: tensor parallelism over `tp` = trainer.devices x trainer.num_nodes ranks."""
+
+    _target_: str = "plugins.strategies.tensor_parallel.TensorParallel"
+    # Name in logs and summaries.
+    name: str = "tp"
+    # Shard norms and the residual stream on the sequence (activation memory / tp; reduce-scatter +
+    # all-gather instead of all-reduce). Needs tp to divide trainer.seq_len.
+    sequence_parallel: bool = True
+    # Keep the logits sharded on the vocabulary and compute the cross entropy on the shards.
+    loss_parallel: bool = True
+    # Weight initialization: auto (full when the fp32 weights fit in 4 GiB), full (every rank builds the
+    # whole model, bitwise the single-process weights, then keeps its shard) or sharded (each rank
+    # initializes only its shards; for big models).
+    init: str = "auto"
