@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -103,6 +104,11 @@ def shard_rows(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return tensor[start:min(start + chunk, rows)]
 
 
+def _chunk_numel(param: torch.Tensor, world: int) -> int:
+    """Elements of one rank's full-size Shard(0) chunk (ceil rows x row size)."""
+    return -(-param.shape[0] // world) * (param.numel() // max(param.shape[0], 1))
+
+
 class ZeRO1(DDP):
     """ZeRO stage 1: DDP for gradients, optimizer states partitioned evenly over the data-parallel ranks.
 
@@ -142,10 +148,32 @@ class ZeRO1(DDP):
             view.grad = None if param.grad is None else self._as_shard(shard_rows(param.grad, rank, world), param)
         stepped = precision.optimizer_step(optimizer)
         if stepped:
-            with torch.no_grad():
-                for param, view in self._shards:
-                    param.copy_(view.full_tensor())
+            self._gather_updated_rows()
         return stepped
+
+    @torch.no_grad()
+    def _gather_updated_rows(self) -> None:
+        """Bring every rank the rows the others updated, in one all-gather for all parameters.
+
+        Each rank contributes its chunk of every parameter padded to the full chunk size, so all ranks
+        send buffers of one length; ranks' chunks of a parameter are contiguous rows, so concatenating
+        them in rank order and dropping the tail padding gives the whole parameter.
+        """
+        world = self._mesh.size()
+        sizes = [_chunk_numel(param, world) for param, _ in self._shards]
+        local = torch.zeros(sum(sizes), dtype=self._shards[0][0].dtype, device=self.device)
+        offset = 0
+        for (_, view), size in zip(self._shards, sizes):
+            rows = view.to_local().reshape(-1)
+            local[offset:offset + rows.numel()] = rows
+            offset += size
+        gathered = local.new_empty(world * local.numel())
+        dist.all_gather_into_tensor(gathered, local, group=self._mesh.get_group())
+        gathered = gathered.view(world, -1)
+        offset = 0
+        for (param, _), size in zip(self._shards, sizes):
+            param.copy_(gathered[:, offset:offset + size].reshape(-1)[:param.numel()].view_as(param))
+            offset += size
 
 
 @dataclass
