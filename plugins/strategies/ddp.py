@@ -22,6 +22,28 @@ from trainer.optim import optimizer_factory_from_config, param_groups
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
 
+def wrap_ddp(model: nn.Module, group: Any, device: torch.device, *, bucket_cap_mb: float = 25.0,
+             gradient_as_bucket_view: bool = True, comm_hook: str = "none", powersgd_rank: int = 1,
+             powersgd_start_iter: int = 2) -> DistributedDataParallel:
+    """DistributedDataParallel over `group`, with an optional gradient-compression hook."""
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    if comm_hook == "bf16":
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    elif comm_hook == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=powersgd_start_iter)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
 class DDP(DistributedStrategy):
     """torch DistributedDataParallel: every rank holds the whole model; gradients are all-reduced.
 
@@ -57,29 +79,10 @@ class DDP(DistributedStrategy):
         return True  # every rank holds the full model anyway; DDP also broadcasts rank 0's weights
 
     def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
-        group = self.dims.dp_mesh().get_group()  # type: ignore[union-attr]
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            process_group=group,
-            bucket_cap_mb=self.bucket_cap_mb,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-        )
-        self._register_comm_hook(ddp, group)
-        return ddp
-
-    def _register_comm_hook(self, ddp: DistributedDataParallel, group: Any) -> None:
-        if self.comm_hook == "bf16":
-            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
-        elif self.comm_hook == "fp16":
-            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
-        elif self.comm_hook == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=group,
-                matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=self.powersgd_start_iter,
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return wrap_ddp(model, self.dims.dp_mesh().get_group(), self.device,  # type: ignore[union-attr]
+                        bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
+                        comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
+                        powersgd_start_iter=self.powersgd_start_iter)
 
     def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
                          precision: Precision,
@@ -109,17 +112,24 @@ def _chunk_numel(param: torch.Tensor, world: int) -> int:
     return -(-param.shape[0] // world) * (param.numel() // max(param.shape[0], 1))
 
 
-class ZeRO1(DDP):
-    """ZeRO stage 1: DDP for gradients, optimizer states partitioned evenly over the data-parallel ranks.
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores (a tensor-parallel DTensor's local shard)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedOptimizerStates:
+    """ZeRO-1 optimizer: states partitioned evenly over the data-parallel ranks (mix into a strategy).
 
     Each rank's optimizer steps a Shard(0) DTensor *view* of every parameter (its rows, in place), so
     optimizer states are split element-wise within padding, as in the ZeRO paper, whatever the
     parameter sizes (torch's ZeroRedundancyOptimizer assigns whole parameters to ranks, which leaves
-    e.g. Llama-2-7B's optimizer states 5.6% uneven on 4 ranks). After the step, DTensor's all-gather
-    brings every rank the rows the others updated.
+    e.g. Llama-2-7B's optimizer states 5.6% uneven on 4 ranks). After the step one all-gather brings
+    every rank the rows the others updated. Under tensor parallelism the rows are those of this rank's
+    TP shard.
     """
 
-    name = "zero1"
+    dims: Any
+    device: torch.device
 
     def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         factory, weight_decay = optimizer_factory_from_config(optimizer_cfg)
@@ -129,23 +139,25 @@ class ZeRO1(DDP):
         self._shards: list[tuple[nn.Parameter, DTensor]] = []
         groups = []
         for group in param_groups(model_parts, weight_decay):
-            views = [self._sharded_view(p.data, p) for p in group["params"]]
+            views = [self._sharded_view(p) for p in group["params"]]
             groups.append({**group, "params": views})
         return factory(groups)
 
-    def _as_shard(self, local: torch.Tensor, like: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self._mesh, [Shard(0)], run_check=False, shape=like.shape,
+    def _as_shard(self, rows: torch.Tensor, like: torch.Tensor) -> DTensor:
+        return DTensor.from_local(rows, self._mesh, [Shard(0)], run_check=False, shape=like.shape,
                                   stride=like.stride())
 
-    def _sharded_view(self, data: torch.Tensor, param: nn.Parameter) -> DTensor:
-        view = self._as_shard(shard_rows(data, self._mesh.get_local_rank(), self._mesh.size()), param)
+    def _sharded_view(self, param: nn.Parameter) -> DTensor:
+        data = _local(param.data)
+        view = self._as_shard(shard_rows(data, self._mesh.get_local_rank(), self._mesh.size()), data)
         self._shards.append((param, view))
         return view
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
         rank, world = self._mesh.get_local_rank(), self._mesh.size()
         for param, view in self._shards:  # the all-reduced gradient's rows, as views (no copy)
-            view.grad = None if param.grad is None else self._as_shard(shard_rows(param.grad, rank, world), param)
+            grad = None if param.grad is None else _local(param.grad)
+            view.grad = None if grad is None else self._as_shard(shard_rows(grad, rank, world), grad)
         stepped = precision.optimizer_step(optimizer)
         if stepped:
             self._gather_updated_rows()
@@ -160,20 +172,27 @@ class ZeRO1(DDP):
         them in rank order and dropping the tail padding gives the whole parameter.
         """
         world = self._mesh.size()
-        sizes = [_chunk_numel(param, world) for param, _ in self._shards]
-        local = torch.zeros(sum(sizes), dtype=self._shards[0][0].dtype, device=self.device)
+        locals_ = [_local(param.data) for param, _ in self._shards]
+        sizes = [_chunk_numel(data, world) for data in locals_]
+        buffer = torch.zeros(sum(sizes), dtype=locals_[0].dtype, device=self.device)
         offset = 0
         for (_, view), size in zip(self._shards, sizes):
             rows = view.to_local().reshape(-1)
-            local[offset:offset + rows.numel()] = rows
+            buffer[offset:offset + rows.numel()] = rows
             offset += size
-        gathered = local.new_empty(world * local.numel())
-        dist.all_gather_into_tensor(gathered, local, group=self._mesh.get_group())
+        gathered = buffer.new_empty(world * buffer.numel())
+        dist.all_gather_into_tensor(gathered, buffer, group=self._mesh.get_group())
         gathered = gathered.view(world, -1)
         offset = 0
-        for (param, _), size in zip(self._shards, sizes):
-            param.copy_(gathered[:, offset:offset + size].reshape(-1)[:param.numel()].view_as(param))
+        for data, size in zip(locals_, sizes):
+            data.copy_(gathered[:, offset:offset + size].reshape(-1)[:data.numel()].view_as(data))
             offset += size
+
+
+class ZeRO1(ShardedOptimizerStates, DDP):
+    """ZeRO stage 1: DDP for gradients, optimizer states partitioned over the data-parallel ranks."""
+
+    name = "zero1"
 
 
 @dataclass

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from plugins.precision import Precision
 from plugins.strategies.distributed import DistributedStrategy
@@ -80,40 +81,42 @@ class FSDP(DistributedStrategy):
         return policy() if callable(policy) else MixedPrecisionPolicy()
 
     def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
-        mesh = self.dims.fsdp_mesh()
-        options = dict(mesh=mesh, mp_policy=self.mixed_precision_policy(precision),
-                       offload_policy=self.offload_policy())
-        blocks = list(model.layers.values())  # type: ignore[union-attr]
-        for index, block in enumerate(blocks):
-            # The last block's parameters are needed again right away by the backward: keep them.
-            reshard = self.reshard_after_forward and index < len(blocks) - 1
-            fully_shard(block, reshard_after_forward=reshard, **options)
-        fully_shard(model, reshard_after_forward=self.reshard_after_forward, **options)
-        self._set_prefetch(blocks)
-        return model
-
-    def _set_prefetch(self, blocks: list[nn.Module]) -> None:
-        """Gather the next `prefetch_blocks` blocks while the current one computes (both directions).
-
-        FSDP2 already prefetches one block in backward on its own; setting it explicitly also covers the
-        forward and allows deeper prefetch when memory allows.
-        """
-        if self.prefetch_blocks == 0:
-            return
-        for index, block in enumerate(blocks):
-            following = blocks[index + 1:index + 1 + self.prefetch_blocks]
-            preceding = blocks[max(0, index - self.prefetch_blocks):index][::-1]
-            if following:
-                block.set_modules_to_forward_prefetch(following)  # type: ignore[operator]
-            if preceding:
-                block.set_modules_to_backward_prefetch(preceding)  # type: ignore[operator]
+        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.mixed_precision_policy(precision),
+                         offload_policy=self.offload_policy(), reshard_after_forward=self.reshard_after_forward,
+                         prefetch_blocks=self.prefetch_blocks)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # fully_shard changes the class in place, not the module tree
 
 
-def is_fsdp(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+def wrap_fsdp(model: nn.Module, mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy,
+              offload_policy: OffloadPolicy, reshard_after_forward: bool, prefetch_blocks: int) -> nn.Module:
+    """FSDP2 over `mesh` (1-D: shard; 2-D: replicate x shard): one unit per transformer block, then the
+    root (embedding, final norm, head). Parameters that are already tensor-parallel DTensors become 2-D."""
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    blocks = list(model.layers.values())  # type: ignore[union-attr]
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by the backward: keep them.
+        reshard = reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    _set_prefetch(blocks, prefetch_blocks)
+    return model
+
+
+def _set_prefetch(blocks: list[nn.Module], prefetch_blocks: int) -> None:
+    """Gather the next `prefetch_blocks` blocks while the current one computes (both directions).
+
+    FSDP2 already prefetches one block in backward on its own; setting it explicitly also covers the
+    forward and allows deeper prefetch when memory allows.
+    """
+    for index, block in enumerate(blocks if prefetch_blocks else []):
+        following = blocks[index + 1:index + 1 + prefetch_blocks]
+        preceding = blocks[max(0, index - prefetch_blocks):index][::-1]
+        if following:
+            block.set_modules_to_forward_prefetch(following)  # type: ignore[operator]
+        if preceding:
+            block.set_modules_to_backward_prefetch(preceding)  # type: ignore[operator]
 
 
 @dataclass
