@@ -31,6 +31,14 @@ def token_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# Options that only make sense with more than one process.
+OPTION_NEEDS = {
+    ("strategy", "tp"): ["tp=2", "trainer.devices=2"],
+    ("strategy", "pp"): ["pp=2", "trainer.devices=2"],
+    ("strategy", "3d"): ["tp=2", "pp=2", "trainer.devices=4"],
+}
+
+
 def all_options() -> list[tuple[str, str]]:
     return [(group, option) for group in GROUPS for option in group_options(group)]
 
@@ -43,7 +51,7 @@ def test_every_group_has_options() -> None:
 @pytest.mark.parametrize(("group", "option"), all_options())
 def test_every_option_composes_and_instantiates(group: str, option: str, token_dir: Path,
                                                 tmp_path: Path) -> None:
-    overrides = [f"{group}={option}"]
+    overrides = [f"{group}={option}"] + OPTION_NEEDS.get((group, option), [])
     if (group, option) == ("data", "token_file"):
         overrides.append(f"data.path={token_dir}")
     cfg = compose(overrides)
@@ -81,7 +89,7 @@ INVALID = [
     (["trainer.max_stepz=5"], "trainer.max_stepz: unknown key; did you mean 'max_steps'?"),
     (["trainer.max_steps=abc"], "trainer.max_steps:"),
     (["model=nope"], "model=nope: no such option; available: gpt2_small"),
-    (["strategy=nope"], "strategy=nope: no such option; available: ddp, fsdp, single, zero1, zero2, zero3"),
+    (["strategy=nope"], "strategy=nope: no such option; available: 3d, ddp, fsdp, pp, single, tp, zero1, zero2, zero3"),
     (["trainer.global_batch_size=20"], "trainer.global_batch_size: 20 is not a multiple of"),
     (["trainer.seq_len=1024"], "trainer.seq_len: 1024 exceeds model.max_seq_len=512"),
     (["tp=2"], "tp=2 needs tensor parallelism: pick strategy=tp or strategy=3d"),
@@ -122,6 +130,46 @@ INVALID = [
     (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.rdzv_endpoint: a multi-node run"),
     (["strategy=ddp", "trainer.devices=4", "trainer.global_batch_size=12"],
      "trainer.global_batch_size: 12 is not a multiple of trainer.micro_batch_size x data-parallel size = 8 x 4"),
+    # tensor parallelism (plugins/strategies/tensor_parallel.py)
+    (["strategy=tp", "tp=3", "trainer.devices=3", "model=llama2_7b"],
+     "tp: cannot split model llama2_7b over tp=3 ranks: model.n_heads=32 (query heads) is not divisible by tp=3"),
+    (["strategy=tp"], "tp: strategy=tp needs tp >= 2 (tp=1 splits nothing): e.g. tp=2 trainer.devices=2"),
+    (["strategy=tp", "tp=4", "trainer.devices=4", "model.n_kv_heads=2"],
+     "tp: cannot split model tiny over tp=4 ranks: model.n_kv_heads=2 (key/value heads) is not divisible by tp=4"),
+    (["strategy=tp", "tp=2", "trainer.devices=2", "model=gpt2_small"],
+     "tp: tensor parallelism supports the llama family only; model gpt2_small"),
+    (["strategy=tp", "tp=2", "trainer.devices=4"], "strategy=tp has no data parallelism, so tp x pp = 2 x 1 = 2"),
+    # pipeline parallelism (plugins/strategies/pipeline.py)
+    (["strategy=pp"], "strategy: strategy=pp needs pp >= 2 pipeline stages, got pp=1: set pp=2 trainer.devices=2"),
+    (["strategy=pp", "pp=8", "trainer.devices=8"],
+     "strategy: pp=8 is more than the model's 4 layers: every pipeline stage needs at least one transformer block"),
+    (["strategy=pp", "pp=4", "trainer.devices=4"],
+     "strategy: micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = 2, fewer "
+     "than the pp=4 pipeline stages"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=4"],
+     "strategy: pp x strategy.virtual_stages = 2 x 4 = 8 stages need at least 8 layers, the model has 4"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.virtual_stages=2"],
+     "strategy: schedule=1f1b runs one stage per rank; virtual_stages=2 needs schedule=interleaved_1f1b or "
+     "zero_bubble"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=interleaved_1f1b",
+      "trainer.global_batch_size=10", "trainer.micro_batch_size=2"],
+     "strategy: micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = 5, but "
+     "schedule=interleaved_1f1b runs them in max(1, M // pp) = 2 rounds"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.layers_per_stage=[1,2]"],
+     "strategy: layers_per_stage=[1, 2] sums to 3, but the model has 4 layers"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=zero_bubble", "strategy.virtual_stages=2",
+      "trainer.compile=true"], "strategy: schedule=zero_bubble splits each backward"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipe"],
+     "strategy: schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
+    (["model=llama2_7b", "strategy=3d", "tp=3", "pp=2", "trainer.devices=12", "trainer.micro_batch_size=2"],
+     "tp: cannot split model llama2_7b over tp=3 ranks: model.n_heads=32 (query heads) is not divisible by tp=3"),
+    (["strategy=3d", "tp=2", "pp=2", "dp=3", "trainer.devices=8"],
+     "dp: dp x tp x pp = 3 x 2 x 2 = 12 does not match trainer.devices x trainer.num_nodes = 8 x 1 = 8"),
+    (["strategy=3d", "tp=2", "pp=2", "trainer.devices=8", "strategy.data_parallel=zero5"],
+     "strategy: data_parallel must be one of ddp, zero1, zero2, zero3, fsdp, hybrid_shard"),
+    (["strategy=3d", "tp=2", "pp=2", "trainer.devices=8"],
+     "strategy: micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = 1, fewer "
+     "than the pp=2 pipeline stages"),
 ]
 
 

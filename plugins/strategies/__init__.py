@@ -6,6 +6,7 @@ from plugins.strategies.distributed import DistributedStrategy
 from plugins.strategies.fsdp import FSDP, FSDPConfig
 from plugins.strategies.tensor_parallel import TensorParallelConfig
 from plugins.strategies.pipeline import PipelineParallelConfig
+from plugins.strategies.three_d import ThreeDConfig
 
 # Schema of each strategy, registered in Hydra's ConfigStore as `<name>_schema` (conf/strategy/*.yaml
 # names it in its defaults list).
@@ -16,6 +17,7 @@ STRATEGY_SCHEMAS: dict[str, type] = {
     "fsdp": FSDPConfig,
     "tp": TensorParallelConfig,
     "pp": PipelineParallelConfig,
+    "3d": ThreeDConfig,
 }
 
 __all__ = [

@@ -29,7 +29,6 @@ Schedules (`strategy.schedule`):
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -39,6 +38,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from omegaconf import DictConfig
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -48,6 +48,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from plugins.activation_checkpointing import ActivationCheckpointing
 from plugins.precision import Precision
 from plugins.strategies.base import MicroBatch
 from plugins.strategies.distributed import DistributedStrategy
@@ -252,6 +253,11 @@ class PipelineParallel(DistributedStrategy):
         self._precision: Precision | None = None
         self._scale_in_loss = False
         self._recorded_losses: list[torch.Tensor] = []
+        # Tied input embedding and output head on different stages (GPT): each end holds a copy; the
+        # group joins this rank's first- and last-stage ranks, the parameter is this rank's copy.
+        self._tied_group: dist.ProcessGroup | None = None
+        self._tied_param: nn.Parameter | None = None
+        self._tied_is_mirror = False
 
     # ---- validation (called by trainer.config before any process starts) ---------------------------
     def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
@@ -261,6 +267,8 @@ class PipelineParallel(DistributedStrategy):
         global_batch_size / (micro_batch_size x dp): the schedule's micro-batches.
         """
         if pp < 2:
+            if self.uses_dp or self.uses_tp:
+                return  # a combined strategy without pipelining: its other dimensions are checked elsewhere
             raise ValueError(f"strategy={self.name} needs pp >= 2 pipeline stages, got pp={pp}: set pp=2 "
                              "trainer.devices=2 (one process per stage), or use strategy=single for one process")
         stages = pp * self.virtual_stages
@@ -272,24 +280,30 @@ class PipelineParallel(DistributedStrategy):
                              f"at least {stages} layers, the model has {num_layers}")
         if self.layers_per_stage is not None:
             stage_layer_ranges(num_layers, stages, layers_per_stage=self.layers_per_stage)
-        where = ("trainer.global_batch_size / (trainer.micro_batch_size x dp) = "
-                 f"{num_microbatches} micro-batches per step")
+        where = ("micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = "
+                 f"{num_microbatches}")
         if num_microbatches < pp:
-            raise ValueError(f"{where} is fewer than the pp={pp} pipeline stages: each stage would idle most of "
-                             "the step; raise trainer.global_batch_size or lower trainer.micro_batch_size")
+            raise ValueError(f"{where}, fewer than the pp={pp} pipeline stages (each stage would idle most of "
+                             "the step): raise trainer.global_batch_size or lower trainer.micro_batch_size")
         if self.schedule_name in MULTI_STAGE_SCHEDULES:
-            # torch's looped schedules run micro-batches in rounds of max(1, M // pp) and need M to split
-            # evenly into them (ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble __init__).
+            # torch's looped schedules run the micro-batches in max(1, M // pp) rounds of equal size and
+            # refuse an M that does not split evenly (ScheduleInterleaved1F1B / ...ZeroBubble __init__).
             rounds = max(1, num_microbatches // pp)
             if num_microbatches % rounds:
-                raise ValueError(f"{where}; schedule={self.schedule_name} runs them in {rounds} rounds of "
-                                 f"pp={pp}, so torch needs a multiple of {rounds}: use a multiple of pp")
+                raise ValueError(f"{where}, but schedule={self.schedule_name} runs them in max(1, M // pp) = "
+                                 f"{rounds} rounds and torch needs M divisible by that: use a multiple of pp={pp}")
         if self.schedule_name == "zero_bubble" and compile:
             raise ValueError("schedule=zero_bubble splits each backward into input- and weight-gradient parts, "
                              "which torch does not support for compiled modules: set trainer.compile=false or "
                              "pick schedule=interleaved_1f1b")
 
     # ---- topology -----------------------------------------------------------------------------------
+    @property
+    def pipelining(self) -> bool:
+        """Whether there is a pipeline (a combined strategy may run with pp=1: then every hook here
+        defers to the next class in the MRO)."""
+        return self.dims.pp_enabled
+
     @property
     def pp_mesh(self) -> Any:
         return self.dims.mesh["pp"]
@@ -322,6 +336,8 @@ class PipelineParallel(DistributedStrategy):
     # ---- model --------------------------------------------------------------------------------------
     def split_pipeline(self, model: nn.Module) -> list[nn.Module]:
         """This rank's stages, in increasing stage order (the order the schedule expects)."""
+        if not self.pipelining:
+            return super().split_pipeline(model)
         num_layers = len(model.layers)  # type: ignore[arg-type]
         self.num_stages = self.pp_size * self.virtual_stages
         self.stage_ranges = stage_layer_ranges(num_layers, self.num_stages, layers_per_stage=self.layers_per_stage,
@@ -332,11 +348,75 @@ class PipelineParallel(DistributedStrategy):
             layout = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self.stage_ranges))
             log.info(f"pipeline: {self.num_stages} stages over pp={self.pp_size} ({self.schedule_name}); {layout}")
         parts = split_model(model, self.stage_ranges, self.stage_indices)
+        self._make_tied_group(model)
         # Cooperative: a subclass combining PP with other model parallelism may split further.
         result: list[nn.Module] = []
         for part in parts:
             result.extend(super().split_pipeline(part))
         return result
+
+    def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing, precision: Precision,
+                    compile: bool) -> list[nn.Module]:
+        parts = super().setup_model(model, activation_checkpointing, precision, compile)
+        if not self.pipelining:
+            return parts
+        self._find_tied_param(parts)
+        if self._tied_param is not None:
+            # Identical copies to start with (they differ only after a sharded init, which draws the
+            # head separately): the first stage's embedding wins.
+            with torch.no_grad():
+                dist.broadcast(_local(self._tied_param.data), group=self._tied_group, group_src=0)
+        if self.pp_rank > 0:
+            # Every rank was seeded alike; without an offset, dropout on stage s would draw the same masks
+            # as on stage 0. (Data order does not use torch's generator.)
+            torch.manual_seed(torch.initial_seed() + 1_000_003 * self.pp_rank)
+        return parts
+
+    def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
+        return super().build_optimizer(optimizer_cfg, self.optimizer_modules(model_parts))
+
+    def optimizer_modules(self, model_parts: Sequence[nn.Module]) -> list[nn.Module]:
+        """The modules whose parameters the optimizer groups are made from."""
+        if self._tied_is_mirror and self._tied_param is not None:
+            # The head copy is owned by a Linear here, which would put it in the weight-decay group; in the
+            # unsplit model it is the embedding table (no decay). An extra owner of embedding type keeps
+            # both copies in the same group, so they receive identical updates.
+            owner = nn.Embedding(1, 1, device="meta")
+            owner.weight = self._tied_param
+            return [*model_parts, owner]
+        return list(model_parts)
+
+    def _make_tied_group(self, model: nn.Module) -> None:
+        """A process group per pipeline line joining the first- and last-stage ranks, when the model ties
+        its output head to its input embedding (new_group is collective: every rank creates every pair)."""
+        embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+        if embedding is None or head is None or head.weight is not embedding.weight:
+            return
+        mesh = self.dims.mesh
+        names = list(mesh.mesh_dim_names or ())
+        lines = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, self.pp_size)
+        last = self.last_stage_pp_rank
+        for line in lines.tolist():
+            group = dist.new_group([line[0], line[last]])
+            if dist.get_rank() in (line[0], line[last]):
+                self._tied_group = group
+
+    def _find_tied_param(self, parts: Sequence[nn.Module]) -> None:
+        if self._tied_group is None:
+            return
+        for part in parts:
+            module = self.unwrap(part)
+            stage = getattr(module, "pp_stage_index", None)
+            if stage == 0:
+                self._tied_param = module.tok_embeddings.weight  # type: ignore[union-attr]
+            elif stage == self.num_stages - 1:
+                self._tied_param, self._tied_is_mirror = module.output.weight, True  # type: ignore[union-attr]
+
+    def _sync_tied_grad(self) -> None:
+        """Sum the embedding's and the head's gradients: both copies get the tied parameter's gradient."""
+        if self._tied_param is None or self._tied_param.grad is None:
+            return
+        dist.all_reduce(_local(self._tied_param.grad), op=dist.ReduceOp.SUM, group=self._tied_group)
 
     def materialize(self, model: nn.Module) -> None:
         """Initialize a stage on its own (big models); each stage draws from its own seed.
@@ -433,8 +513,10 @@ class PipelineParallel(DistributedStrategy):
         `Callback.on_before_backward`). The loss goes through `precision.scale_loss` in the loss
         function, so a loss scaler scales what the schedule back-propagates.
         """
-        del on_before_backward
+        if not self.pipelining:
+            return super().forward_backward(model_parts, microbatches, precision, on_before_backward)
         loss = self._run_schedule(model_parts, microbatches, precision, train=True)
+        self._sync_tied_grad()
         return self._from_last_stage(loss)
 
     @torch.no_grad()
@@ -444,6 +526,8 @@ class PipelineParallel(DistributedStrategy):
         The batches are run in groups of the training schedule's micro-batch count (run.py builds the
         validation set as `val_batches` such groups), so the same stages and buffers serve both.
         """
+        if not self.pipelining:
+            return super().evaluate(model_parts, batches, precision)
         num = self._schedule_microbatches or len(batches)
         if len(batches) % num:
             raise ValueError(f"{len(batches)} validation micro-batches do not split into pipeline steps of {num}")
@@ -468,21 +552,25 @@ class PipelineParallel(DistributedStrategy):
         of `torch.nn.utils.clip_grad_norm_`). Sharded gradients (DTensor, from FSDP or TP) contribute
         their full norm, reduced over their own mesh.
         """
+        if not self.pipelining:
+            return super().clip_grad_norm(model_parts, max_norm)
         params: dict[int, nn.Parameter] = {}
         for part in model_parts:
             for p in part.parameters():
                 if p.grad is not None:
                     params.setdefault(id(p), p)
         grads = [p.grad for p in params.values()]
-        squared = local_grad_norm(grads) ** 2  # type: ignore[arg-type]
+        # a tied head's copy holds the same gradient as the embedding on the first stage: count it once
+        counted = [p.grad for p in params.values() if not (self._tied_is_mirror and p is self._tied_param)]
+        squared = local_grad_norm(counted) ** 2  # type: ignore[arg-type]
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
         total = squared.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             with torch.no_grad():
                 for grad in grads:
-                    local = grad.to_local() if isinstance(grad, DTensor) else grad  # type: ignore[union-attr]
-                    local.mul_(coef.to(local.device, local.dtype))  # in place: to_local shares storage
+                    local = _local(grad)  # type: ignore[arg-type]
+                    local.mul_(coef.to(local.device, local.dtype))
         return total
 
     # ---- checkpoint / comparison ----------------------------------------------------------------------
@@ -491,7 +579,18 @@ class PipelineParallel(DistributedStrategy):
 
         Keys are those of the unsplit model, so the result loads into a single-process model.
         """
-        local = super().full_state_dict(model_parts)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not self.pipelining:
+            return super().full_state_dict(model_parts)
+        # Not the base class's options: with cpu_offload torch returns the full weights on global rank 0
+        # only, and the other stages' ranks would send nothing. Gathered unsharded on every rank of the
+        # stage's own dp/tp mesh, then moved to CPU here.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        local: dict[str, torch.Tensor] = {}
+        for part in model_parts:
+            for key, value in get_model_state_dict(part, options=options).items():
+                local[key] = value.detach().cpu()
         gathered: list[Any] | None = [None] * self.pp_size if self.pp_rank == 0 else None
         dist.gather_object(local, gathered, group=self.pp_group, group_dst=0)
         if gathered is None:
@@ -500,6 +599,11 @@ class PipelineParallel(DistributedStrategy):
         for stage_weights in gathered:
             merged.update(stage_weights)
         return merged
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (shares storage, so in-place ops write through), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:

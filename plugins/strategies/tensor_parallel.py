@@ -19,11 +19,12 @@ the global norm and `full_state_dict` gathers the unsharded weights.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Optional
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -37,6 +38,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from plugins.activation_checkpointing import ActivationCheckpointing
+from plugins.precision import Precision
 from plugins.strategies.distributed import DistributedStrategy
 
 
@@ -169,6 +172,54 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                 output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
 
 
+def settle_tensor_parallel_grads(model_parts: Sequence[nn.Module]) -> None:
+    """Bring every DTensor gradient to its parameter's placements, once per optimizer step.
+
+    Under sequence parallelism the norms' weights get Partial(sum) gradients (each rank summed over its
+    own sequence shard). That is correct, and DTensor would reduce them lazily, but then every consumer
+    (the norm for clipping, then the optimizer) would pay the all-reduce again; here it is paid once.
+    (The embedding's Replicate gradient is sliced as it is produced, by `keep_grads_in_param_layout`;
+    anything left in another layout is converted here too.) Call it before computing the gradient norm;
+    a combined strategy whose `clip_grad_norm` does not reach this class's should call it itself. Skipping
+    it costs time, not correctness.
+    """
+    for part in model_parts:
+        for param in part.parameters():
+            grad = param.grad
+            if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def keep_grads_in_param_layout(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Convert, as autograd produces them, gradients that reach a tp-sharded parameter replicated.
+
+    The vocab-parallel embedding's backward yields a full-size Replicate gradient for its Shard(0)
+    weight; slicing it to the parameter's shard is local (no communication), so doing it per backward
+    keeps a single full-vocabulary gradient from being accumulated over the micro-batches, and makes the
+    stored gradient match its parameter's shape on every rank (which a pipeline's all-reduce of the tied
+    embedding/head gradient between stages relies on). Partial gradients need an all-reduce and are left
+    to `settle_tensor_parallel_grads`, once per step.
+
+    Register after materialization: `to_empty` swaps parameter storage and drops tensor hooks.
+    Parameters managed by FSDP (on a larger mesh) are skipped: FSDP redistributes their gradients itself.
+    """
+
+    def make_hook(param: DTensor) -> Any:
+        def to_param_layout(grad: torch.Tensor) -> torch.Tensor:
+            if (isinstance(grad, DTensor) and grad.placements != param.placements
+                    and not any(p.is_partial() for p in grad.placements)):
+                return grad.redistribute(param.device_mesh, param.placements)
+            return grad
+        return to_param_layout
+
+    seen: set[int] = set()
+    for param in model.parameters():
+        if (id(param) not in seen and isinstance(param, DTensor) and param.requires_grad
+                and param.device_mesh == tp_mesh and any(p.is_shard() for p in param.placements)):
+            seen.add(id(param))
+            param.register_hook(make_hook(param))
+
+
 def _divisibility_problems(model_cfg: Any, tp: int) -> list[str]:
     sizes = [
         ("model.n_heads", model_cfg.n_heads, "query heads"),
@@ -179,13 +230,23 @@ def _divisibility_problems(model_cfg: Any, tp: int) -> list[str]:
     return [f"{key}={value} ({what}) is not divisible by tp={tp}" for key, value, what in sizes if value % tp]
 
 
+def _dtensor_rng_supported(mesh: DeviceMesh) -> bool:
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    with warnings.catch_warnings():  # it warns on every call for the CPU
+        warnings.simplefilter("ignore")
+        return is_rng_supported_mesh(mesh)
+
+
 class TensorParallel(DistributedStrategy):
     """Tensor parallelism over all ranks (tp = world size): every rank sees the whole batch and holds
     1/tp of each block's weights.
 
     Composable: `apply_model_parallel` shards each part it is given (a pipeline stage as well as the
     whole model) and calls `super()` first, so a `class ThreeD(PipelineParallel, TensorParallel)` gets
-    the pipeline split, then TP, then the data-parallel wrapping of the base `setup_model`.
+    the pipeline split, then TP, then the data-parallel wrapping of the base `setup_model`. Gradients
+    are brought to their parameters' layouts in `clip_grad_norm` (`settle_tensor_parallel_grads`); a
+    combined strategy whose norm comes from another base should call that function first.
     """
 
     name = "tp"
@@ -232,6 +293,44 @@ class TensorParallel(DistributedStrategy):
         if self.dims.tp_enabled:
             apply_tensor_parallel(model, self.dims.mesh["tp"], sequence_parallel=self.sequence_parallel,
                                   loss_parallel=self.loss_parallel)
+
+    def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
+                    precision: Precision, compile: bool) -> list[nn.Module]:
+        parts = super().setup_model(model, activation_checkpointing, precision, compile)
+        if self.dims.tp_enabled:
+            for part in parts:  # after materialization, which drops tensor hooks
+                keep_grads_in_param_layout(part, self.dims.mesh["tp"])
+        return parts
+
+    def materialize(self, model: nn.Module) -> None:
+        """Allocate and initialize the weights: the whole model before TP (init=full, bitwise the
+        single-process weights), or only this rank's shards after it (init=sharded, auto for big models).
+
+        For the sharded case on CUDA, DTensor's offset-based RNG gives each shard its slice of the
+        single-process random stream. Devices without it (the CPU) would draw the same values on every tp
+        rank, so every rank's heads would start, and stay, identical copies of each other; there each tp
+        rank draws from its own seed instead (not the single-process weights: use init=full for those),
+        and replicated parameters are then made equal by a broadcast from the first tp rank.
+        """
+        tp_mesh = self.dims.mesh["tp"] if self.dims.tp_enabled else None
+        # the full init (before TP) draws the whole model, like one process: nothing to change there
+        sharded = tp_mesh is not None and any(isinstance(p, DTensor) for p in model.parameters())
+        if not sharded or _dtensor_rng_supported(tp_mesh):
+            super().materialize(model)
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch.initial_seed() + 1 + tp_mesh.get_local_rank())
+            super().materialize(model)
+        group = tp_mesh.get_group()
+        with torch.no_grad():
+            for param in model.parameters():
+                if isinstance(param, DTensor) and param.device_mesh == tp_mesh and all(
+                        p.is_replicate() for p in param.placements):
+                    dist.broadcast(param.to_local(), src=dist.get_global_rank(group, 0), group=group)
+
+    def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
+        settle_tensor_parallel_grads(model_parts)
+        return super().clip_grad_norm(model_parts, max_norm)
 
 
 @dataclass

@@ -1,0 +1,220 @@
+"""How much of a pipeline step does each stage spend idle? GPipe and 1F1B against the textbook bubble.
+
+For P = 2 and 4 pipeline ranks (one stage each) and M micro-batches per step, the script runs
+`strategy=pp` (plugins/strategies/pipeline.py, torch.distributed.pipelining underneath) on a Llama whose
+blocks are split evenly over the stages (`embedding_weight = head_weight = 0`), and measures per stage:
+
+- step time: wall time of `strategy.forward_backward` (one schedule step) on that rank, from a barrier
+  to the end of the step (which ends with a broadcast of the loss from the last stage, so every rank's
+  step ends after the last backward);
+- busy time: the stage's own compute, summed over the step: perf_counter timers around every forward
+  of the stage module (`PipelineStage.forward_maybe_with_nosync`), every backward
+  (`backward_maybe_with_nosync`, which on the last stage starts from the loss) and the loss itself;
+- idle time = step time - busy time, and the idle fraction idle / step.
+
+Idle therefore includes everything that is not this stage's compute: waiting for activations or
+gradients from a neighbour (the bubble), the point-to-point copies themselves, and the schedule's
+Python bookkeeping. Steps are timed after `--warmup` steps (the first step also runs torch's shape
+inference) and the median over `--steps` steps is reported. torch's 1F1B needs M >= P: smaller M are
+skipped for it.
+
+Theory (convention used here: idle as a fraction of the step, on a stage whose per-micro-batch forward
++ backward time t is the same on every stage, communication free): GPipe (Huang et al. 2019) runs
+M + P - 1 forward slots and as many backward slots, of which each stage is busy in M, so the bubble is
+(P - 1) / (M + P - 1) of the step. 1F1B (PipeDream-Flush, Narayanan et al. 2021, Sec. 2.2) reorders
+the same work and has the same bubble; Narayanan et al. write it as (P - 1) / M, the bubble over the
+ideal (busy) time, which is the same quantity measured against a different denominator:
+idle / busy = (P - 1) / M  <=>  idle / step = (P - 1) / (M + P - 1). Both are printed. 1F1B's gain is
+memory (at most P micro-batches of activations in flight instead of M), not a smaller bubble.
+
+On a machine with fewer cores than P processes the stages also wait for a core: busy times then
+include time-slicing and the figures say more about the machine than about the schedule. Run it with
+at least P cores (one intra-op thread per process is used).
+
+    python benchmarks/pipeline_bubble.py      # P = 2, 4; M = 2, 4, 8, 16; gpipe and 1f1b (a few minutes)
+    python benchmarks/pipeline_bubble.py --pp 2 --microbatches 2 4 --steps 2 --warmup 1 \\
+        --dim 64 --layers 4 --seq-len 32 --micro-batch-size 2     # smoke test, ~1 min on 2 cores
+
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from plugins.activation_checkpointing import NoCheckpointing  # noqa: E402
+from plugins.precision import FP32Precision  # noqa: E402
+from plugins.strategies.pipeline import PipelineParallel  # noqa: E402
+from trainer.models import build_meta_model  # noqa: E402
+from trainer.models.llama import LlamaConfig  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b")
+RESULT_PREFIX = "PIPELINE_BUBBLE_RESULT "
+
+
+def theoretical_bubble(pp: int, microbatches: int) -> float:
+    """Idle fraction of the step, (P - 1) / (M + P - 1), for GPipe and 1F1B alike."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+class BusyClock:
+    """Seconds of compute of this rank's stage, accumulated by wrapping the stage's compute calls."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def instrument(strategy: PipelineParallel, clock: BusyClock) -> None:
+    """Time the stage's forwards, backwards and loss (after the schedule has built its stages; a new
+    micro-batch count builds new stages, hence the flags)."""
+    if not getattr(strategy, "_bubble_timed", False):
+        strategy.compute_loss = clock.wrap(strategy.compute_loss)  # type: ignore[method-assign]
+        strategy._bubble_timed = True  # type: ignore[attr-defined]
+    for stage in strategy._stages:  # noqa: SLF001 - the benchmark looks inside on purpose
+        if not getattr(stage, "_bubble_timed", False):
+            for method in ("forward_maybe_with_nosync", "backward_maybe_with_nosync"):
+                setattr(stage, method, clock.wrap(getattr(stage, method)))
+            stage._bubble_timed = True  # type: ignore[attr-defined]
+
+
+def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
+            microbatches: list[tuple[torch.Tensor, torch.Tensor]], clock: BusyClock, steps: int,
+            warmup: int) -> dict[str, float]:
+    """Median step time, busy time and idle fraction of this rank over `steps` timed steps (the
+    timers are installed during the first, untimed, step)."""
+    precision = FP32Precision()
+    step_times, busy_times = [], []
+    for step in range(warmup + steps):
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+        dist.barrier()
+        clock.seconds = 0.0
+        start = time.perf_counter()
+        strategy.forward_backward(parts, microbatches, precision)
+        elapsed = time.perf_counter() - start
+        instrument(strategy, clock)  # the schedule and its stages exist after the first step
+        if step >= warmup:
+            step_times.append(elapsed)
+            busy_times.append(clock.seconds)
+    idle = [max(0.0, s - b) / s for s, b in zip(step_times, busy_times)]
+    return {"step_s": statistics.median(step_times), "busy_s": statistics.median(busy_times),
+            "idle_fraction": statistics.median(idle)}
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    config = LlamaConfig(name="bubble", vocab_size=256, dim=args.dim, n_layers=args.layers,
+                         n_heads=max(1, args.dim // 32), ffn_hidden_dim=4 * args.dim, max_seq_len=args.seq_len)
+    results = []
+    clock = BusyClock()
+    for schedule in SCHEDULES:
+        strategy = PipelineParallel(schedule=schedule, embedding_weight=0.0, head_weight=0.0, init="full")
+        strategy.setup_environment("cpu", 1, pp=pp)
+        torch.manual_seed(0)
+        parts = strategy.setup_model(build_meta_model(config), NoCheckpointing(), FP32Precision(), compile=False)
+        for microbatches in args.microbatches:
+            if schedule == "1f1b" and microbatches < pp:
+                continue  # torch's Schedule1F1B needs at least one micro-batch per stage
+            generator = torch.Generator().manual_seed(microbatches)
+            batches = [(torch.randint(0, 256, (args.micro_batch_size, args.seq_len), generator=generator),
+                        torch.randint(0, 256, (args.micro_batch_size, args.seq_len), generator=generator))
+                       for _ in range(microbatches)]
+            mine = measure(strategy, parts, batches, clock, args.steps, args.warmup)
+            per_stage: list[Any] = [None] * pp
+            dist.all_gather_object(per_stage, mine)
+            row = {
+                "pp": pp, "schedule": schedule, "microbatches": microbatches,
+                "step_s": max(s["step_s"] for s in per_stage),
+                "busy_s_per_stage": [s["busy_s"] for s in per_stage],
+                "idle_fraction_per_stage": [s["idle_fraction"] for s in per_stage],
+                "idle_fraction_mean": statistics.mean(s["idle_fraction"] for s in per_stage),
+                "theory_idle_fraction": theoretical_bubble(pp, microbatches),
+                "theory_idle_over_busy": (pp - 1) / microbatches,
+            }
+            results.append(row)
+            if rank == 0:
+                stages = " ".join(f"{f:.3f}" for f in row["idle_fraction_per_stage"])
+                print(f"P={pp} {schedule:5s} M={microbatches:2d}: step {row['step_s'] * 1e3:8.1f} ms, idle per stage "
+                      f"[{stages}], mean {row['idle_fraction_mean']:.3f}, theory (P-1)/(M+P-1) = "
+                      f"{row['theory_idle_fraction']:.3f}", flush=True)
+        del parts, strategy
+    if rank == 0:
+        print(RESULT_PREFIX + json.dumps(results), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (one process per stage)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8, 16], help="micro-batches per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per point (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first infers shapes)")
+    parser.add_argument("--dim", type=int, default=256, help="model width")
+    parser.add_argument("--layers", type=int, default=8, help="transformer blocks, split evenly over the stages")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        sys.exit("--warmup and --steps must be >= 1 (the first step of each point installs the timers)")
+    if args.worker:
+        worker(args)
+        return
+    for pp in args.pp:
+        if args.layers % pp:
+            sys.exit(f"--layers {args.layers} must be divisible by every --pp value (even stages), got {pp}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rows: list[dict[str, Any]] = []
+    for pp in args.pp:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
+                   str(Path(__file__).resolve()), "--worker", *argv]
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        for line in result.stdout.splitlines():
+            if line.startswith(RESULT_PREFIX):
+                rows.extend(json.loads(line[len(RESULT_PREFIX):]))
+            elif line.startswith("P="):
+                print(line, flush=True)
+        if result.returncode != 0:
+            sys.exit(f"pp={pp} failed:\n{result.stderr[-4000:]}")
+    settings = {"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len,
+                "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup": args.warmup,
+                "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                "convention": "idle fraction = (step - busy) / step per stage; theory (P-1)/(M+P-1)"}
+    print(json.dumps({"results": rows, "settings": settings}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Pipeline parallelism: stage layout, model split, validation, and parity with the single-process run.
+
+Parity (fp32, same global batch and seed, 10 steps, every step logged): per-step losses, logged global
+gradient norms and validation losses within rtol 1e-4, final full weights (gathered from the stages)
+within atol 1e-4, for pp=2 with every schedule, pp=4 with 1f1b and interleaved 1F1B, and a GPT whose
+output head is tied to its embedding across the first and last stage. Each world size is one torchrun
+launch (tests/distributed_harness.py); the references run in this process.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from plugins.strategies.pipeline import PipelineParallel, split_model, stage_indices_of_rank, stage_layer_ranges
+from trainer.config import compose
+from trainer.models import build_meta_model
+from trainer.run import build_trainer
+
+REPO = Path(__file__).resolve().parent.parent
+# 8 layers: pp=4 with 2 virtual stages still gives every stage one block.
+LLAMA = ["model.dim=64", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
+# GPT ties its output head to the token embedding; no dropout, so the run is deterministic.
+GPT = ["model=gpt2_small", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.ffn_hidden_dim=128",
+       "model.vocab_size=256", "model.max_seq_len=64", "model.dropout=0.0"]
+# 10 steps of 8 sequences x 32 tokens in 4 micro-batches (the pipeline's micro-batches); a given
+# peak_flops skips the matmul benchmark for MFU (seconds per process on a shared 2-core machine).
+LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.max_steps=10",
+        "trainer.log_every=1", "trainer.val_every=5", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
+        "data.max_bytes=200000", "callbacks=none", "trainer.peak_flops=1e12"]
+SCHEDULES = {
+    "gpipe": ["strategy.schedule=gpipe"],
+    "1f1b": ["strategy.schedule=1f1b"],
+    "interleaved_1f1b": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
+    "zero_bubble": ["strategy.schedule=zero_bubble", "strategy.virtual_stages=2"],
+}
+RUNS = {  # world size: {run name: (model, schedule)}
+    2: {name: ("llama", name) for name in SCHEDULES} | {"gpt_tied": ("gpt", "1f1b")},
+    4: {"1f1b": ("llama", "1f1b"), "interleaved_1f1b": ("llama", "interleaved_1f1b")},
+}
+MODELS = {"llama": LLAMA, "gpt": GPT}
+PARITY = [(nproc, name) for nproc, named in RUNS.items() for name in named]
+
+
+# ---- stage layout -----------------------------------------------------------------------------------
+def check_partition(ranges: list[range], num_layers: int, num_stages: int) -> None:
+    assert len(ranges) == num_stages
+    assert [i for r in ranges for i in r] == list(range(num_layers))  # contiguous, in order, none dropped
+    assert all(len(r) >= 1 for r in ranges)
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (0.0, 0.0), (2.5, 6.0), (0.0, 12.0)])
+def test_balanced_ranges_hold_every_layer_exactly_once(weights: tuple[float, float]) -> None:
+    embedding, head = weights
+    for num_layers in range(1, 25):
+        for num_stages in range(1, num_layers + 1):
+            ranges = stage_layer_ranges(num_layers, num_stages, embedding_weight=embedding, head_weight=head)
+            check_partition(ranges, num_layers, num_stages)
+
+
+def test_balancing_counts_the_embedding_and_the_head() -> None:
+    assert stage_layer_ranges(8, 2) == [range(0, 4), range(4, 8)]
+    assert stage_layer_ranges(8, 4, embedding_weight=0, head_weight=0) == [range(2 * s, 2 * s + 2) for s in range(4)]
+    # a head worth 4 blocks: the last stage takes fewer layers (cost 4 + 2 = 6 = the first's 6)
+    assert [len(r) for r in stage_layer_ranges(12, 2, embedding_weight=0, head_weight=4)] == [8, 4]
+    # the slowest stage is as cheap as possible: 32 layers + 1 + 1 over 4 stages -> at most 9
+    costs = [len(r) + (s == 0) + (s == 3) for s, r in enumerate(stage_layer_ranges(32, 4))]
+    assert max(costs) == 9
+
+
+def test_explicit_counts_are_taken_as_given_and_checked() -> None:
+    assert stage_layer_ranges(8, 3, layers_per_stage=[2, 5, 1]) == [range(0, 2), range(2, 7), range(7, 8)]
+    with pytest.raises(ValueError, match="sums to 7, but the model has 8 layers"):
+        stage_layer_ranges(8, 3, layers_per_stage=[2, 4, 1])
+    with pytest.raises(ValueError, match="has 2 entries but there are 3 stages"):
+        stage_layer_ranges(8, 3, layers_per_stage=[4, 4])
+    with pytest.raises(ValueError, match="every stage needs at least one layer"):
+        stage_layer_ranges(8, 3, layers_per_stage=[4, 4, 0])
+    with pytest.raises(ValueError, match="need at least 5 layers"):
+        stage_layer_ranges(4, 5)
+
+
+@functools.lru_cache(maxsize=None)
+def model_config(family: str) -> Any:
+    """Composed once per family (a Hydra round trip); the tests vary only n_layers."""
+    return OmegaConf.to_object(compose(MODELS[family]).model)
+
+
+def meta_model(family: str, num_layers: int) -> torch.nn.Module:
+    return build_meta_model(dataclasses.replace(model_config(family), n_layers=num_layers))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_split_keeps_every_layer_on_exactly_one_stage(family: str) -> None:
+    combos = [(4, 2, 1), (4, 2, 2), (5, 2, 1), (7, 3, 2), (8, 4, 2), (9, 2, 3), (6, 3, 1), (12, 4, 3), (3, 3, 1)]
+    for num_layers, pp, virtual in combos:
+        model = meta_model(family, num_layers)
+        num_stages = pp * virtual
+        ranges = stage_layer_ranges(num_layers, num_stages)
+        stages = {}
+        for rank in range(pp):
+            indices = stage_indices_of_rank(rank, pp, virtual)
+            for index, part in zip(indices, split_model(model, ranges, indices)):
+                stages[index] = part
+        assert sorted(stages) == list(range(num_stages))
+        held = [key for s in range(num_stages) for key in stages[s].layers.keys()]
+        assert held == [str(i) for i in range(num_layers)], (num_layers, pp, virtual, held)
+        for s, part in stages.items():
+            assert list(part.layers.keys()) == [str(i) for i in ranges[s]]
+            for name in model.first_stage_modules:
+                assert (getattr(part, name) is not None) == (s == 0)
+            for name in model.last_stage_modules:
+                assert (getattr(part, name) is not None) == (s == num_stages - 1)
+        # together the stages hold every weight of the model under its own name
+        keys = [k for s in range(num_stages) for k in stages[s].state_dict()]
+        assert sorted(keys) == sorted(model.state_dict().keys())
+        assert len(model.layers) == num_layers  # the model itself is untouched
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_stages_initialize_alone_and_chain_to_the_full_forward(family: str) -> None:
+    torch.manual_seed(0)
+    model = meta_model(family, 5)
+    ranges = stage_layer_ranges(5, 3)
+    # a stage whose missing modules are None initializes on its own (sharded init of big models)
+    for part in split_model(model, ranges, [0, 1, 2]):
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights()
+    # split after materializing: the stages run in a chain give the unsplit model's logits
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    hidden = tokens
+    for part in split_model(model, ranges, [0, 1, 2]):
+        part.eval()
+        hidden = part(hidden)
+    torch.testing.assert_close(hidden, model(tokens), rtol=0, atol=0)
+
+
+# ---- validation -------------------------------------------------------------------------------------
+def test_strategy_options_are_checked_on_creation() -> None:
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"):
+        PipelineParallel(schedule="dualpipe")
+    with pytest.raises(ValueError, match="schedule=1f1b runs one stage per rank"):
+        PipelineParallel(schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="every stage needs at least one layer"):
+        PipelineParallel(layers_per_stage=[4, 0])
+
+
+def test_pipeline_constraints() -> None:
+    strategy = PipelineParallel(schedule="interleaved_1f1b", virtual_stages=2)
+    strategy.validate_pipeline(num_layers=8, pp=4, num_microbatches=8)
+    strategy.validate_pipeline(num_layers=8, pp=4, num_microbatches=6)  # one round: torch accepts it
+    with pytest.raises(ValueError, match="runs them in max\\(1, M // pp\\) = 2 rounds"):
+        strategy.validate_pipeline(num_layers=8, pp=2, num_microbatches=5)
+    with pytest.raises(ValueError, match="= 3, fewer than the pp=4 pipeline stages"):
+        strategy.validate_pipeline(num_layers=8, pp=4, num_microbatches=3)
+    with pytest.raises(ValueError, match="4 x 2 = 8 stages need at least 8 layers, the model has 6"):
+        strategy.validate_pipeline(num_layers=6, pp=4, num_microbatches=8)
+    with pytest.raises(ValueError, match="trainer.compile=false"):
+        PipelineParallel(schedule="zero_bubble", virtual_stages=2).validate_pipeline(
+            num_layers=8, pp=2, num_microbatches=4, compile=True)
+
+
+# ---- parity with one process ----------------------------------------------------------------------------
+def column(run_dir: Path, name: str) -> list[float]:
+    with open(run_dir / "metrics.csv") as f:
+        return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
+
+
+def start_harness(out: Path, nproc: int, runs: list[dict]) -> subprocess.Popen:
+    spec = out / f"spec_{nproc}.json"
+    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(out / f"launch_{nproc}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         str(REPO / "tests" / "distributed_harness.py"), str(spec)],
+        stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline")
+    # Both world sizes at once, and the references meanwhile: most of a launch is processes starting and
+    # importing, which overlaps well even on 2 cores (about half the wall time of running them in turn).
+    launches = {
+        nproc: start_harness(out, nproc, [
+            {"name": name, "overrides": MODELS[model] + LOOP + SCHEDULES[schedule]
+             + ["strategy=pp", f"pp={nproc}", f"trainer.devices={nproc}"]}
+            for name, (model, schedule) in named.items()
+        ])
+        for nproc, named in RUNS.items()
+    }
+    try:
+        for model, overrides in MODELS.items():  # the references: one process, same global batch
+            trainer = build_trainer(compose(overrides + LOOP), out / model)
+            (out / model / "summary.json").write_text(json.dumps(trainer.fit()))
+            torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / model / "weights.pt")
+        for nproc, process in launches.items():
+            returncode = process.wait(timeout=900)
+            assert returncode == 0, (out / f"launch_{nproc}.log").read_text()[-6000:]
+    finally:
+        for process in launches.values():
+            if process.poll() is None:
+                process.kill()
+    return out
+
+
+@pytest.mark.parametrize(("nproc", "name"), PARITY, ids=[f"pp{n}-{s}" for n, s in PARITY])
+def test_pipeline_matches_single_process(runs: Path, nproc: int, name: str) -> None:
+    run_dir = runs / f"np{nproc}" / name
+    reference = runs / RUNS[nproc][name][0]
+    for metric in ("train_loss", "grad_norm", "val_loss"):
+        expected = column(reference, metric)
+        assert len(expected) == (10 if metric != "val_loss" else 2)
+        assert column(run_dir, metric) == pytest.approx(expected, rel=1e-4), metric
+    expected_weights = torch.load(reference / "weights.pt", weights_only=True)
+    weights = torch.load(run_dir / "weights.pt", weights_only=True)
+    assert weights.keys() == expected_weights.keys()
+    for key, value in expected_weights.items():
+        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"pp={nproc} {name}: {key}")
+
+
+def test_tied_head_and_embedding_stay_one_weight(runs: Path) -> None:
+    weights = torch.load(runs / "np2" / "gpt_tied" / "weights.pt", weights_only=True)
+    # held by stage 0 and stage 1 as two copies, kept bitwise equal by the gradient all-reduce
+    assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
+
+
+def test_every_rank_reports_and_holds_only_its_stage(runs: Path) -> None:
+    summary = json.loads((runs / "np4" / "1f1b" / "summary.json").read_text())
+    single = json.loads((runs / "llama" / "summary.json").read_text())
+    assert summary["world_size"] == 4 and len(summary["state_bytes_per_rank"]) == 4
+    held = [rank["params"] for rank in summary["state_bytes_per_rank"]]
+    assert sum(held) == single["state_bytes_per_rank"][0]["params"]  # untied: the stages partition the weights
+    assert max(held) < single["state_bytes_per_rank"][0]["params"] / 2
