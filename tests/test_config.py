@@ -163,6 +163,7 @@ INVALID = [
      "strategy: schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
     (["model=llama2_7b", "strategy=3d", "tp=3", "pp=2", "trainer.devices=12", "trainer.micro_batch_size=2"],
      "tp: cannot split model llama2_7b over tp=3 ranks: model.n_heads=32 (query heads) is not divisible by tp=3"),
+    (["cp=2"], "cp: cp=2: context parallelism is not available in this version (cp must be 1)"),
     (["strategy=3d", "tp=2", "pp=2", "dp=3", "trainer.devices=8"],
      "dp: dp x tp x pp = 3 x 2 x 2 = 12 does not match trainer.devices x trainer.num_nodes = 8 x 1 = 8"),
     (["strategy=3d", "tp=2", "pp=2", "trainer.devices=8", "strategy.data_parallel=zero5"],

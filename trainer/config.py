@@ -145,6 +145,8 @@ class Config:
     dp: Any = "auto"
     tp: int = 1
     pp: int = 1
+    # Context parallelism (sequence split across ranks for attention): not built; must stay 1.
+    cp: int = 1
 
 
 def register_configs() -> None:
@@ -415,6 +417,9 @@ def validate(cfg: DictConfig) -> None:
     _validate_known_keys(cfg)
     _validate_complete(cfg)
     _require(cfg.mode in MODES, "mode", f"'{cfg.mode}' is not one of {', '.join(MODES)}")
+    _require(cfg.cp == 1, "cp", f"cp={cfg.cp}: context parallelism is not available in this version (cp must be 1); "
+                                "for long sequences use activation checkpointing or tensor parallelism with "
+                                "sequence parallelism")
     _validate_trainer(cfg.trainer)
     _validate_targets(cfg)
     _validate_parallel_shortcuts(cfg)
