@@ -11,9 +11,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +18,8 @@ import torch
 
 from trainer.config import compose
 from trainer.run import build_trainer
+from tests.test_strategies import launch_harness
 
-REPO = Path(__file__).resolve().parent.parent
 # Grouped-query attention (8 query heads, 4 key/value heads) whose heads, kv heads, MLP width (128),
 # vocabulary (256) and sequence (32) all split over 4 ranks: at tp=4 each rank runs 2 query heads on 1
 # key/value head.
@@ -50,18 +47,6 @@ PARITY = [(2, "tp"), (2, "no_sequence_parallel"), (2, "no_loss_parallel"), (2, "
 def column(run_dir: Path, name: str) -> list[float]:
     with open(run_dir / "metrics.csv") as f:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
-
-
-def launch_harness(out: Path, nproc: int, runs: list[dict]) -> None:
-    spec = out / f"spec_{nproc}.json"
-    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "distributed_harness.py"), str(spec)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
 def reference(out: Path, name: str, model: list[str]) -> None:
