@@ -100,17 +100,20 @@ class LlamaConfig:
 def compute_rope_cache(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """RoPE table ``[max_seq_len, 2 * head_dim]`` = ``cat(cos, sin)`` in fp32, HF layout.
+    """RoPE table ``[max_seq_len, 2 * head_dim]`` = ``cat(cos, sin)`` in fp32 (computed in fp64), HF layout.
 
     Frequency ``i`` rotates the pair of channels ``(i, i + head_dim/2)``, which is the
     Hugging Face "rotate_half" convention.
     """
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    # Computed in fp64 and rounded once: fp32 cos/sin of angles in the hundreds of radians differ
+    # by several ulp between vectorised and scalar kernels (thread chunking picks which), so an fp32
+    # table would not be reproducible across thread counts.
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
