@@ -31,7 +31,8 @@ class Callback:
         """Once per optimizer step, when every micro-batch's gradient has been accumulated."""
 
     def on_before_optimizer_step(self, trainer: "Trainer", optimizer: torch.optim.Optimizer) -> None:
-        """After unscaling and clipping (`outputs` of the step so far in trainer.step_outputs)."""
+        """After unscaling and clipping; the step so far is in trainer.step_outputs (loss, grad_norm,
+        lr). Setting trainer.skip_step = True (the same decision on every rank) drops the update."""
 
     def on_train_batch_end(self, trainer: "Trainer", outputs: dict[str, Any]) -> None:
         """After the optimizer and schedule step; `outputs` holds loss, grad_norm, lr, skipped."""

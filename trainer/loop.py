@@ -77,6 +77,11 @@ class Trainer:
         self._start_tokens = 0
         self.state_bytes: dict[str, int] | None = None
         self._interval = (0.0, 0)  # train time and tokens at the last log
+        # Per-step scratch shared with callbacks: the step's outputs before the optimizer step, the
+        # veto flag, and the wall time of each phase (data, forward_backward, optimizer).
+        self.step_outputs: dict[str, Any] = {}
+        self.skip_step = False
+        self.step_timings: dict[str, float] = {}
 
     @property
     def is_global_zero(self) -> bool:
@@ -96,7 +101,10 @@ class Trainer:
         try:
             self._call("on_fit_start")
             while self.step < self.total_steps:
-                self.training_step(next(self.train_loader))
+                data_start = time.perf_counter()
+                microbatches = next(self.train_loader)
+                self.step_timings["data_s"] = time.perf_counter() - data_start
+                self.training_step(microbatches)
                 if self.config.val_every and self.step % self.config.val_every == 0:
                     self.validate()
             if not self.val_history or self.val_history[-1][0] != self.step:
@@ -121,10 +129,15 @@ class Trainer:
             on_before_backward=lambda loss: self._call("on_before_backward", loss),
         )
         self._call("on_after_backward")
+        backward_end = time.perf_counter()
         self.precision.unscale_gradients(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
+        # A callback (the loss-spike stabilizer) may veto this update by setting skip_step; it must
+        # decide the same on every rank.
+        self.step_outputs = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        self.skip_step = False
         self._call("on_before_optimizer_step", self.optimizer)
-        stepped = self.strategy.optimizer_step(self.optimizer, self.precision)
+        stepped = not self.skip_step and self.strategy.optimizer_step(self.optimizer, self.precision)
         if self.state_bytes is None:  # first step: gradients and optimizer states now exist
             self.state_bytes = state_bytes(self.model_parts, self.optimizer)
             log.info("state held per rank: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.state_bytes.items()))
@@ -133,8 +146,12 @@ class Trainer:
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        self.train_time_s += time.perf_counter() - start
-        outputs = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not stepped}
+        end = time.perf_counter()
+        self.train_time_s += end - start
+        # Host-side wall times of this step's phases (on CUDA, without a synchronize they show launch
+        # time; a monitor that wants device time synchronizes before reading them).
+        self.step_timings.update(forward_backward_s=backward_end - start, optimizer_s=end - backward_end)
+        outputs = {**self.step_outputs, "skipped": not stepped}
         if self.step % self.config.log_every == 0 or self.step == self.total_steps:
             self.log_step(outputs)
         self._call("on_train_batch_end", outputs)
