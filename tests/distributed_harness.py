@@ -8,6 +8,7 @@ next to it) and `<out>/<name>/weights.pt` (the full final weights).
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -38,6 +39,11 @@ def main() -> None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             torch.save(weights, run_dir / "weights.pt")
         dist.barrier()
+        # Drop each run (DDP's reducer holds the process group) while the group lives: see
+        # trainer.run.train. The group itself is this script's, so teardown leaves it alone.
+        trainer.strategy.teardown()
+        trainer = None
+        gc.collect()
     dist.destroy_process_group()
 
 

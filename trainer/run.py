@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from pathlib import Path
@@ -111,5 +112,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         log.info(f"final val_loss {summary['final_val_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
                  f"MFU {100 * summary['mfu']:.1f}%")
         log.info(f"summary: {path}")
-    trainer.strategy.teardown()
+    strategy = trainer.strategy
+    # The model goes before the process group: DDP's C++ reducer holds a reference to the gloo group,
+    # and a group destroyed through it runs its destructor with the GIL held while gloo's worker
+    # threads wait for the GIL to free finished work, a deadlock at exit (pytorch/pytorch#56297).
+    del trainer
+    gc.collect()
+    strategy.teardown()
     return summary

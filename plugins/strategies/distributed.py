@@ -169,5 +169,6 @@ class DistributedStrategy(Strategy):
         dist.barrier()
 
     def teardown(self) -> None:
+        """Destroy the process group. Call it after dropping the model parts (see `run.train`)."""
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

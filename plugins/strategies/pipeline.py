@@ -30,6 +30,7 @@ Schedules (`strategy.schedule`):
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -574,6 +575,13 @@ class PipelineParallel(DistributedStrategy):
         return total
 
     # ---- checkpoint / comparison ----------------------------------------------------------------------
+    def teardown(self) -> None:
+        # The stages and the schedule hold the model parts (and any reducer inside them), which must
+        # be released before the process group is destroyed.
+        self._stages, self._schedule, self._tied_param = [], None, None
+        gc.collect()
+        super().teardown()
+
     def full_state_dict(self, model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
         """Every stage's full weights, gathered to pp rank 0 (other ranks get only their own stages).
 
