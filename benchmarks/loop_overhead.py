@@ -29,24 +29,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.callback import Callback  # noqa: E402
+from benchmarks._common import StepClock  # noqa: E402
+
 from trainer.config import compose, total_steps  # noqa: E402
 from trainer.hardware import measure_matmul_flops  # noqa: E402
 from trainer.models import build_meta_model, build_model  # noqa: E402
 from trainer.run import build_data, build_trainer  # noqa: E402
 
 
-class StepClock(Callback):
-    """Wall time at the end of every optimizer step."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_fit_start(self, trainer: Any) -> None:
-        self.times = [time.perf_counter()]
-
-    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
-        self.times.append(time.perf_counter())
 
 
 def tokens_per_s(times: list[float], warmup: int, tokens_per_step: int) -> float:

@@ -88,7 +88,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.callback import Callback  # noqa: E402
+from benchmarks._common import StepClock  # noqa: E402
+
 from trainer.config import compose, total_steps  # noqa: E402
 from trainer.hardware import measure_matmul_flops  # noqa: E402
 from trainer.models import build_meta_model, build_model  # noqa: E402
@@ -100,17 +101,6 @@ STATE_KINDS = ("params", "grads", "optimizer", "master_params", "buckets", "othe
 
 
 # ---- measurement helpers (worker side) ----------------------------------------------------------------
-class StepClock(Callback):
-    """Wall time at the start of the fit and at the end of every optimizer step."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_fit_start(self, trainer: Any) -> None:
-        self.times = [time.perf_counter()]
-
-    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
-        self.times.append(time.perf_counter())
 
 
 def _proc_status_kib(field: str) -> int:

@@ -29,3 +29,138 @@ class RecordPid(Callback):
     def on_fit_start(self, trainer: Any) -> None:
         with open(os.path.join(self.directory, f"rank{trainer.strategy.rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
+
+
+class InjectSpike(Callback):
+    """Corrupt one rank's share of one global batch (by its loader position, so a replay after a
+    rollback that skips it never sees it again): every target becomes byte 0, which the stdlib corpus
+    never contains, so that rank's loss jumps far above its running median."""
+
+    def __init__(self, batch: int, rank: int = 0) -> None:
+        self.batch = batch
+        self.rank = rank
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        if trainer.strategy.rank == self.rank and trainer.train_loader.last_position == self.batch:
+            for _, targets in batch:
+                targets.fill_(0)
+
+
+class InjectNaN(Callback):
+    """Put a NaN into one rank's gradients at one step (after their data-parallel reduction)."""
+
+    def __init__(self, step: int, rank: int = 0) -> None:
+        self.step = step
+        self.rank = rank
+
+    def on_after_backward(self, trainer: Any) -> None:
+        if trainer.strategy.rank == self.rank and trainer.step + 1 == self.step:
+            grad = next(p.grad for part in trainer.model_parts for p in part.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
+
+
+class RecordSteps(Callback):
+    """Append one JSON line per step attempt to `<directory>/steps_rank<R>.jsonl`: the step, whether
+    the update was skipped, this rank's loss, the grad norm, the LR used, the loader position, the
+    positions the loader skips and the events in the stabilizer's ledger."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        import json
+
+        row = {"step": trainer.step, "skipped": bool(outputs["skipped"]), "loss": float(outputs["loss"]),
+               "grad_norm": float(outputs["grad_norm"]), "lr": float(outputs["lr"]),
+               "batch": trainer.train_loader.last_position,
+               "skipping": sorted(trainer.train_loader.skip_positions),
+               "ledger": [[[e["step"], e["action"], e.get("skipped_batches")] for e in c.events]
+                          for c in trainer.callbacks if hasattr(c, "skipped_batches")]}
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"steps_rank{trainer.strategy.rank}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+class CompareAfterRollback(Callback):
+    """Keep this rank's parameters as they were after step `step`; the next time a step starts from
+    `step` again (after a rollback), write whether they are bitwise the same to
+    `<directory>/rollback_rank<R>.json`."""
+
+    def __init__(self, directory: str, step: int) -> None:
+        self.directory = directory
+        self.step = step
+        self.saved: list[Any] | None = None
+        self.went_past = False
+
+    @staticmethod
+    def _local(trainer: Any) -> list[Any]:
+        tensors = []
+        for part in trainer.model_parts:
+            for p in part.parameters():
+                tensors.append(getattr(p, "_local_tensor", p).detach().clone())
+        return tensors
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if trainer.step == self.step and self.saved is None:
+            self.saved = self._local(trainer)
+        self.went_past |= self.saved is not None and trainer.step > self.step
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        import json
+
+        import torch
+
+        if trainer.step == self.step and self.went_past and self.saved is not None:
+            now = self._local(trainer)
+            same = len(now) == len(self.saved) and all(torch.equal(a, b) for a, b in zip(now, self.saved))
+            with open(os.path.join(self.directory, f"rollback_rank{trainer.strategy.rank}.json"), "w") as f:
+                json.dump({"bitwise_equal": same, "tensors": len(now)}, f)
+            self.saved = None
+
+
+class InjectOverflow(Callback):
+    """Put an inf into one rank's gradients at one step (1-based, as logged), after their data-parallel
+    reduction, so that only that rank can see it; on every rank, record each step's outcome in
+    `<directory>/overflow_rank<R>.json`: skipped, the loss scale after the step, and whether this rank's
+    parameters (its local shards) came out of the optimizer step bitwise unchanged."""
+
+    def __init__(self, directory: str, step: int, rank: int = 1) -> None:
+        self.directory = directory
+        self.step = step
+        self.rank = rank
+        self.rows: list[dict[str, Any]] = []
+        self.before: list[Any] = []
+
+    @staticmethod
+    def _locals(trainer: Any, grads: bool = False) -> list[Any]:
+        from torch.distributed.tensor import DTensor
+
+        tensors = []
+        for part in trainer.model_parts:
+            for p in part.parameters():
+                t = p.grad if grads else p.detach()
+                if t is not None:
+                    tensors.append(t.to_local() if isinstance(t, DTensor) else t)
+        return tensors
+
+    def on_after_backward(self, trainer: Any) -> None:
+        if trainer.strategy.rank == self.rank and trainer.step + 1 == self.step:
+            grad = next(g for g in self._locals(trainer, grads=True) if g.numel())
+            grad.view(-1)[0] = float("inf")
+
+    def on_before_optimizer_step(self, trainer: Any, optimizer: Any) -> None:
+        self.before = [t.clone() for t in self._locals(trainer)]
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        import json
+
+        import torch
+
+        after = self._locals(trainer)
+        unchanged = len(after) == len(self.before) and all(torch.equal(a, b) for a, b in zip(after, self.before))
+        self.rows.append({"step": trainer.step, "skipped": bool(outputs["skipped"]),
+                          "loss_scale": trainer.precision.metrics().get("loss_scale"),
+                          "params_unchanged": unchanged, "loss": float(outputs["loss"])})
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"overflow_rank{trainer.strategy.rank}.json"), "w") as f:
+            json.dump(self.rows, f)

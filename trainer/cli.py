@@ -48,33 +48,77 @@ def preflight(overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """Validate, then train here or in launched workers: the run's summary, None if it was skipped."""
+    from trainer.launch import (adopt_slurm_environment, configure_worker_logging, distributed_environment,
+                                launch, needs_launch)
+    from trainer.run import train
+    from trainer.sweep import read_summary, unfit_reason, write_status
+
+    validate(cfg)  # again: multirun jobs skip the preflight
+    if cfg.mode == "plan":  # a sweep of plans: each job prints its report, nothing runs
+        from trainer.planner.report import run as run_plan
+
+        run_plan(cfg, list(HydraConfig.get().overrides.task))
+        return None
+    reason = unfit_reason(cfg)  # before any worker starts
+    if reason is not None:
+        log.warning(f"skipped: {reason}")
+        if int(os.environ.get("RANK", "0")) == 0:
+            write_status(run_dir, "skipped_unfit", reason)
+        return None
+    if needs_launch(cfg):
+        launch(cfg, run_dir)
+        return read_summary(run_dir)
+    if distributed_environment() == "slurm":
+        adopt_slurm_environment()
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # under torchrun/srun every rank runs this app: only rank 0 speaks
+        configure_worker_logging(rank, run_dir)
+    return train(cfg, run_dir)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-def hydra_app(cfg: DictConfig) -> None:
+def hydra_app(cfg: DictConfig) -> float | None:
+    """One run (or one job of a sweep); returns the final val_loss, the objective of an Optuna sweep.
+
+    In a multirun a failing job records `failed` and its error line in status.json and returns None,
+    so the sweep goes on; a single run exits 2 on an invalid config and 1 when a rank failed.
+    """
+    from hydra.types import RunMode
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from trainer.launch import (adopt_slurm_environment, configure_worker_logging, describe_failure,
-                                distributed_environment, launch, needs_launch)
-    from trainer.run import train
+    from trainer.launch import describe_failure
+    from trainer.sweep import error_line, wandb_group, write_status
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    writes_status = int(os.environ.get("RANK", "0")) == 0
+    if in_sweep and "wandb" in cfg.logger and cfg.logger.wandb.get("group") is None:
+        cfg.logger.wandb.group = wandb_group(hydra_cfg.sweep.dir)  # the runs of one sweep share a group
     try:
-        validate(cfg)  # again: multirun jobs skip the preflight
-        if needs_launch(cfg):
-            launch(cfg, run_dir)
-            return
-        if distributed_environment() == "slurm":
-            adopt_slurm_environment()
-        rank = int(os.environ.get("RANK", "0"))
-        if rank != 0:  # under torchrun/srun every rank runs this app: only rank 0 speaks
-            configure_worker_logging(rank, run_dir)
-        train(cfg, run_dir)
-    except ConfigError as error:  # also raised once the data is read (vocabulary, too little text)
-        if _full_errors():
-            raise
-        _fail(str(error))
-    except ChildFailedError as error:
-        log.error(f"error: {describe_failure(error)}")
-        sys.exit(1)
+        summary = run_job(cfg, run_dir)
+    except Exception as error:  # noqa: BLE001 - every failure of a job is recorded the same way
+        message = describe_failure(error) if isinstance(error, ChildFailedError) else error_line(error)
+        if writes_status:
+            write_status(run_dir, "failed", message)
+        if in_sweep:  # the sweep goes on with the next job
+            log.error(f"job failed: {message}", exc_info=not isinstance(error, (ConfigError, ChildFailedError)))
+            return None
+        if isinstance(error, ConfigError):  # also raised once the data is read (vocabulary, too little text)
+            if _full_errors():
+                raise
+            _fail(str(error))
+        if isinstance(error, ChildFailedError):
+            log.error(f"error: {message}")
+            sys.exit(1)
+        raise
+    if summary is None:
+        return None
+    if writes_status:
+        write_status(run_dir, "ok")
+    return summary.get("final_val_loss")
 
 
 def main() -> None:
@@ -82,7 +126,11 @@ def main() -> None:
     args = sys.argv[1:]
     # Flags (--multirun, --help, --cfg, -cn...) change what Hydra composes: leave those to Hydra.
     if not any(arg.startswith("-") for arg in args):
-        preflight(args)
+        cfg = preflight(args)
+        if cfg.mode == "plan":  # a report, nothing runs: no run directory, Hydra's app is not started
+            from trainer.planner.report import run as run_plan
+
+            sys.exit(run_plan(cfg, args))
     hydra_app()
 
 

@@ -21,7 +21,9 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, MISSING, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-MODES = ("train",)
+MODES = ("train", "plan")
+RECIPES_DIR = CONF_DIR.parent / "recipes"
+PLAN_FORMATS = ("table", "json")
 ACCELERATORS = ("auto", "cpu", "cuda")
 
 
@@ -123,6 +125,44 @@ class ProgressBarConfig:
 
 
 @dataclass
+class SweepConfig:
+    """Options of the jobs of a multirun sweep (`sweep.*`; they apply to single runs too)."""
+
+    # Before starting any worker, ask the planner whether the job fits in memory; a job that does not
+    # is not run and is recorded as `skipped_unfit` in its status.json (see trainer/sweep.py).
+    skip_unfit: bool = False
+    # The fit check: a function config -> plan with a boolean `.fits` (the project's planner by default).
+    planner: str = "trainer.planner.plan"
+
+
+@dataclass
+class PlanConfig:
+    """Options of `mode=plan` (`plan.*`): memory, communication, time and fit of the composed config on the
+    `hardware` group's machine, without running it (trainer/planner, docs/ARCHITECTURE.md)."""
+
+    # table (a human report) or json (the report, then one JSON object as the last line of output).
+    format: str = "table"
+    # Also build the real model on the meta device under a fake process group and count the analysed
+    # rank's parameter, gradient and optimizer bytes exactly (shown beside the analytic figures).
+    exact: bool = True
+    # Global rank to analyse (null: the rank with the highest device-memory estimate).
+    rank: Optional[int] = None
+    # Enumerate dp, tp, pp, ZeRO stage / FSDP mode, checkpointing policy, schedule and micro-batch for the
+    # world size and hardware, keep what fits, rank by estimated throughput (always done when the
+    # configuration does not fit).
+    search: bool = False
+    # Suggestions printed by the search.
+    top: int = 5
+    # Fraction of usable device (and host) memory kept free for allocator fragmentation and what the
+    # estimate leaves out.
+    headroom: float = 0.1
+    # Fraction of the peak FLOP/s the model's matmuls reach (step time, tokens/s, MFU estimates).
+    matmul_efficiency: float = 0.6
+    # Write a memory-breakdown bar chart (PNG) to this path (null: no chart).
+    chart: Optional[str] = None
+
+
+@dataclass
 class Config:
     """The whole run. Group nodes are typed by their own `<option>_schema`."""
 
@@ -138,7 +178,11 @@ class Config:
     # Named callbacks; add your own with `+callbacks.NAME._target_=pkg.Class`.
     callbacks: dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    # What to do: `train`.
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    # The machine `mode=plan` plans for (conf/hardware/*.yaml); a run ignores it.
+    hardware: Any = MISSING
+    # What to do: `train`, or `plan` (print the memory/time/fit report, exit 3 when it does not fit).
     mode: str = "train"
     # Parallel sizes (shortcuts): data parallel (`auto`: the world size / (tp x pp)), tensor parallel,
     # pipeline parallel.
@@ -147,11 +191,17 @@ class Config:
     pp: int = 1
     # Context parallelism (sequence split across ranks for attention): not built; must stay 1.
     cp: int = 1
+    # Where the run starts: auto (the latest complete checkpoint in the run's checkpoint directory, a
+    # fresh start if there is none), none, or the path of a checkpoint or of a directory of checkpoints.
+    resume: str = "auto"
+    # Start a new run (step 0, fresh optimizer) from these weights: a checkpoint or a Hugging Face Llama
+    # directory (config.json + *.safetensors); null: initialize from the seed.
+    init_from: Optional[str] = None
 
 
 def register_configs() -> None:
     """Put every schema in Hydra's ConfigStore (idempotent)."""
-    from plugins.activation_checkpointing import NoCheckpointingConfig
+    from plugins.activation_checkpointing import ACTIVATION_CHECKPOINTING_SCHEMAS
     from plugins.lr_schedules import (
         ConstantScheduleConfig,
         CosineScheduleConfig,
@@ -159,7 +209,7 @@ def register_configs() -> None:
         LinearScheduleConfig,
         WSDScheduleConfig,
     )
-    from plugins.precision import FP32PrecisionConfig
+    from plugins.precision import PRECISION_SCHEMAS
     from plugins.strategies import STRATEGY_SCHEMAS
     from trainer.data import StdlibDataConfig, TokenFileDataConfig
     from trainer.models import GPTConfig, LlamaConfig
@@ -167,12 +217,16 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    from trainer.planner.hardware import HardwareConfig
+
+    cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
+    _register_recipes(cs)
     schemas: dict[str, dict[str, Any]] = {
         "model": {"llama": LlamaConfig, "gpt": GPTConfig},
         "data": {"stdlib": StdlibDataConfig, "token_file": TokenFileDataConfig},
         "strategy": STRATEGY_SCHEMAS,
-        "precision": {"fp32": FP32PrecisionConfig},
-        "activation_checkpointing": {"none": NoCheckpointingConfig},
+        "precision": PRECISION_SCHEMAS,
+        "activation_checkpointing": ACTIVATION_CHECKPOINTING_SCHEMAS,
         "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
         "lr_schedule": {
             "constant": ConstantScheduleConfig,
@@ -189,6 +243,30 @@ def register_configs() -> None:
     for name, node in {"csv": CSVLoggerConfig, "wandb": WandbLoggerConfig, "tensorboard": TensorBoardLoggerConfig}.items():
         cs.store(group="logger", name=f"{name}_schema", node=node, package=f"logger.{name}")
     cs.store(group="callbacks", name="progress_bar_schema", node=ProgressBarConfig, package="callbacks.progress_bar")
+    from plugins.callbacks.monitors import MemoryMonitorConfig, ThroughputMonitorConfig
+
+    cs.store(group="callbacks", name="throughput_schema", node=ThroughputMonitorConfig, package="callbacks.throughput")
+    cs.store(group="callbacks", name="memory_schema", node=MemoryMonitorConfig, package="callbacks.memory")
+    from plugins.callbacks.stabilizer import LossSpikeStabilizerConfig
+
+    cs.store(group="callbacks", name="stabilizer_schema", node=LossSpikeStabilizerConfig, package="callbacks.stabilizer")
+    from plugins.callbacks.checkpoint import CheckpointManagerConfig
+
+    cs.store(group="callbacks", name="checkpoint_schema", node=CheckpointManagerConfig, package="callbacks.checkpoint")
+
+
+_STORED_RECIPES: dict[Path, float] = {}
+
+
+def _register_recipes(cs: ConfigStore) -> None:
+    """recipes/*.yaml as the `recipe` group (`recipe=NAME`): `# @package _global_` files of overrides,
+    stored under their own group name because the directory name is fixed by the project layout. A file
+    is read again only when it changed (compose calls this every time)."""
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        mtime = path.stat().st_mtime
+        if _STORED_RECIPES.get(path) != mtime:
+            cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+            _STORED_RECIPES[path] = mtime
 
 
 # ---- derived quantities ------------------------------------------------------------------------------
@@ -289,7 +367,9 @@ def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
         _require(product == world, "dp",
                  f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {product} does not match trainer.devices x "
                  f"trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = {world}")
-    _require(cfg.trainer.num_nodes == 1 or cfg.trainer.rdzv_endpoint is not None or _inside_launcher(),
+    # a plan launches nothing: the rendezvous address only matters to a run
+    _require(cfg.mode == "plan" or cfg.trainer.num_nodes == 1 or cfg.trainer.rdzv_endpoint is not None
+             or _inside_launcher(),
              "trainer.rdzv_endpoint",
              "a multi-node run started with `python -m trainer` needs trainer.rdzv_endpoint=HOST:PORT "
              "(node 0's address); under torchrun or srun it is not needed")
@@ -317,7 +397,9 @@ def _validate_strategy(cfg: DictConfig) -> None:
 
     try:
         strategy = instantiate(cfg.strategy)
-        strategy.check_device(_device_type(cfg.trainer.accelerator))
+        # a plan checks the options against the planned machine, a run against this one
+        device_type = cfg.hardware.device_type if cfg.mode == "plan" else _device_type(cfg.trainer.accelerator)
+        strategy.check_device(device_type)
         if strategy.uses_dp:
             strategy.data_parallel_split(data_parallel_size(cfg))
         # -- pipeline parallelism (plugins/strategies/pipeline.py): stages vs layers and micro-batches --
@@ -328,6 +410,37 @@ def _validate_strategy(cfg: DictConfig) -> None:
     except (ValueError, InstantiationException) as error:
         cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
         raise ConfigError("strategy", str(cause).splitlines()[0]) from None
+
+
+def _validate_precision(cfg: DictConfig) -> None:
+    """The precision's options, and whether the strategy can honour it (plugins/precision/compat.py)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        precision = instantiate(cfg.precision)
+        check = getattr(precision, "check_strategy", None)  # a plugin without the base class has no rules
+        if check is not None:
+            # a plan checks against the planned machine (trainer/planner), a run against this one
+            device_type = cfg.hardware.device_type if cfg.mode == "plan" else _device_type(cfg.trainer.accelerator)
+            check(instantiate(cfg.strategy), device_type)
+    except (ValueError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+        raise ConfigError("precision", str(cause).splitlines()[0]) from None
+
+
+def _validate_plan(cfg: DictConfig) -> None:
+    p, hw = cfg.plan, cfg.hardware
+    _require(p.format in PLAN_FORMATS, "plan.format", f"'{p.format}' is not one of {', '.join(PLAN_FORMATS)}")
+    _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}")
+    _require(p.rank is None or 0 <= p.rank < world_size(cfg), "plan.rank",
+             f"must be a rank of the world of {world_size(cfg)} (0 to {world_size(cfg) - 1}) or null, got {p.rank}")
+    _require(0 <= p.headroom < 1, "plan.headroom", f"must be in [0, 1), got {p.headroom}")
+    _require(0 < p.matmul_efficiency <= 1, "plan.matmul_efficiency", f"must be in (0, 1], got {p.matmul_efficiency}")
+    _require(hw.device_type in ("cuda", "cpu"), "hardware.device_type", f"must be cuda or cpu, got {hw.device_type}")
+    for key in ("memory_gb", "devices_per_node", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
+                "memory_bandwidth_gbps", "peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32"):
+        _require(hw[key] > 0, f"hardware.{key}", f"must be positive, got {hw[key]}")
 
 
 def _validate_batch(cfg: DictConfig) -> None:
@@ -346,7 +459,7 @@ def _validate_model(cfg: DictConfig) -> None:
         raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
     # ---- tensor parallelism (plugins/strategies/tensor_parallel.py): can the model split over tp? ----
     check_tp = getattr(strategy_class(cfg), "check_tensor_parallel", None)
-    if check_tp is not None:
+    if check_tp is not None and cfg.mode != "plan":  # a plan reports it as a warning (trainer/planner)
         try:
             check_tp(model_cfg, int(cfg.tp), int(cfg.trainer.seq_len),
                      bool(cfg.strategy.get("sequence_parallel", True)))
@@ -357,6 +470,20 @@ def _validate_model(cfg: DictConfig) -> None:
     if max_seq_len is not None:
         _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",
                  f"{cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} of model {cfg.model.name}")
+
+
+def _validate_activation_checkpointing(cfg: DictConfig) -> None:
+    """The policy's options and whether it can act on this model (e.g. every_n's n against n_layers)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        policy = instantiate(cfg.activation_checkpointing)
+        policy.check_model(int(cfg.model.n_layers))
+        policy.check_strategy(instantiate(cfg.strategy))
+    except (ValueError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+        raise ConfigError("activation_checkpointing", str(cause).splitlines()[0]) from None
 
 
 def _validate_optimization(cfg: DictConfig) -> None:
@@ -412,11 +539,43 @@ def _validate_known_keys(node: DictConfig, path: str = "") -> None:
             _validate_known_keys(child, f"{path}{key}.")
 
 
+def _validate_resume(cfg: DictConfig) -> None:
+    """resume/init_from must name something loadable, checked before any worker starts."""
+    from trainer.checkpoint.manifest import MANIFEST, complete_checkpoints
+
+    resume = str(cfg.resume)
+    if resume not in ("auto", "none"):
+        path = Path(resume).expanduser()
+        _require(path.exists(), "resume", f"{resume} does not exist (use auto, none or a checkpoint path)")
+        _require((path / MANIFEST).is_file() or bool(complete_checkpoints(path)), "resume",
+                 f"{resume} is neither a complete checkpoint ({MANIFEST}) nor a directory of checkpoints")
+    if cfg.init_from is not None:
+        path = Path(str(cfg.init_from)).expanduser()
+        hf_model = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+        _require((path / MANIFEST).is_file() or hf_model, "init_from",
+                 f"{cfg.init_from} is neither a checkpoint ({MANIFEST}) nor a Hugging Face model directory "
+                 "(config.json + *.safetensors)")
+
+
+def _validate_callbacks(cfg: DictConfig) -> None:
+    """A callback class may check its options before launch with a static `check_config(node)`."""
+    from hydra.utils import get_object
+
+    for name, node in cfg.callbacks.items():
+        check = getattr(get_object(node._target_), "check_config", None)
+        if check is not None:
+            try:
+                check(node)
+            except (TypeError, ValueError) as error:
+                raise ConfigError(f"callbacks.{name}", str(error).splitlines()[0]) from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first inconsistency of a composed config."""
     _validate_known_keys(cfg)
     _validate_complete(cfg)
     _require(cfg.mode in MODES, "mode", f"'{cfg.mode}' is not one of {', '.join(MODES)}")
+    _validate_plan(cfg)
     _require(cfg.cp == 1, "cp", f"cp={cfg.cp}: context parallelism is not available in this version (cp must be 1); "
                                 "for long sequences use activation checkpointing or tensor parallelism with "
                                 "sequence parallelism")
@@ -424,9 +583,13 @@ def validate(cfg: DictConfig) -> None:
     _validate_targets(cfg)
     _validate_parallel_shortcuts(cfg)
     _validate_strategy(cfg)
+    _validate_precision(cfg)
     _validate_batch(cfg)
     _validate_model(cfg)
+    _validate_activation_checkpointing(cfg)
     _validate_optimization(cfg)
+    _validate_callbacks(cfg)
+    _validate_resume(cfg)
 
 
 # ---- composition -------------------------------------------------------------------------------------
@@ -443,7 +606,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    directory = RECIPES_DIR if group == "recipe" else CONF_DIR / group
+    return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
 def _allowed_keys(full_key: str, overrides: list[str]) -> list[str]:

@@ -59,6 +59,23 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return measure_matmul_flops(device.type, dtype)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start peak_memory_bytes afresh: runs that share a process (the jobs of a Hydra sweep run one
+    after the other in it) each report their own peak, not the largest one so far.
+
+    On Linux, writing 5 to /proc/self/clear_refs resets the resident-set high-water mark that
+    getrusage's ru_maxrss reports; elsewhere the CPU figure stays the process's peak.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated accelerator memory, or the process's peak resident set size on CPU."""
     if device.type == "cuda":

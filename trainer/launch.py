@@ -90,6 +90,14 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
     # Threads: the cores of this node shared by its workers, unless set explicitly.
     threads = t.num_threads or max(1, (os.cpu_count() or 1) // int(t.devices))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if int(t.max_restarts) > 0:
+        # By default the agent keeps one rendezvous store across restarts, so a restarted worker can read the
+        # previous attempt's process-group addresses and fail to connect ("Connection refused"): a fresh
+        # store per attempt (hosted by worker 0) avoids that.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        if not any("CheckpointManager" in str(node.get("_target_", "")) for node in cfg.callbacks.values()):
+            log.warning("trainer.max_restarts is set but no checkpoint manager saves the run "
+                        "(callbacks=[default,checkpoint]): restarted workers start again from step 0")
     config = LaunchConfig(
         min_nodes=nodes,
         max_nodes=nodes,

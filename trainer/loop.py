@@ -55,6 +55,8 @@ class Trainer:
         self.precision = precision
         self.model_parts = model_parts
         self.optimizer = optimizer
+        # bf16_true: fp32 master copies go into the optimizer before anything steps or loads it.
+        precision.setup_optimizer(optimizer)
         self.scheduler = scheduler
         self.train_loader = train_loader
         self.val_set = val_set
@@ -82,10 +84,41 @@ class Trainer:
         self.step_outputs: dict[str, Any] = {}
         self.skip_step = False
         self.step_timings: dict[str, float] = {}
+        # Set by a callback (the checkpoint manager after a SIGTERM) to end fit() after this step.
+        self.should_stop = False
+        # The loader's position at the last step boundary: a checkpoint written while a step is under
+        # way (on an exception) must not count the batch that step has already drawn.
+        self._loader_state = self._read_loader_state()
 
     @property
     def is_global_zero(self) -> bool:
         return self.strategy.is_global_zero
+
+    # ---- checkpointed state (tensors are the checkpoint module's; this is the rest) -------------------
+    def _read_loader_state(self) -> dict[str, Any] | None:
+        state_dict = getattr(self.train_loader, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, history and the data position as of the last completed step (timings are per process:
+        a resumed run reports its own throughput)."""
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "last_train_loss": self.last_train_loss,
+            "val_history": [list(entry) for entry in self.val_history],
+            "loader": self._loader_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.last_train_loss = float(state.get("last_train_loss", math.nan))
+        self.val_history = [(int(step), float(loss)) for step, loss in state.get("val_history", [])]
+        if state.get("loader") is not None and hasattr(self.train_loader, "load_state_dict"):
+            self.train_loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+        self._loader_state = self._read_loader_state()
+        self._interval = (self.train_time_s, self.tokens_seen)  # throughput is measured from here on
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -100,7 +133,7 @@ class Trainer:
         wall_start = time.perf_counter()
         try:
             self._call("on_fit_start")
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not self.should_stop:
                 data_start = time.perf_counter()
                 microbatches = next(self.train_loader)
                 self.step_timings["data_s"] = time.perf_counter() - data_start
@@ -130,7 +163,8 @@ class Trainer:
         )
         self._call("on_after_backward")
         backward_end = time.perf_counter()
-        self.precision.unscale_gradients(self.optimizer)
+        # fp16: unscale, check for inf/nan on every rank and agree whether this step is skipped.
+        self.precision.unscale_gradients(self.optimizer, self.model_parts)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
         # A callback (the loss-spike stabilizer) may veto this update by setting skip_step; it must
         # decide the same on every rank.
@@ -146,6 +180,7 @@ class Trainer:
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
+        self._loader_state = self._read_loader_state()
         end = time.perf_counter()
         self.train_time_s += end - start
         # Host-side wall times of this step's phases (on CUDA, without a synchronize they show launch
@@ -184,6 +219,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
             "skipped": int(outputs["skipped"]),
+            **self.precision.metrics(),  # fp16: loss_scale
         })
 
     def log(self, metrics: dict[str, float]) -> None:

@@ -14,9 +14,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.checkpoint import resume
 from trainer.config import ConfigError, tokens_per_step, total_steps, validate
 from trainer.data import StatefulLoader, TokenWindows, val_batches
-from trainer.hardware import peak_flops
+from trainer.hardware import peak_flops, reset_peak_memory
 from trainer.launch import agree_on_run_dir
 from trainer.loop import Trainer
 from trainer.models import build_meta_model
@@ -54,6 +55,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     t = cfg.trainer
     strategy = instantiate(cfg.strategy)
     strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp)
+    reset_peak_memory(strategy.device)  # this run's peak, also when a sweep runs jobs in one process
     run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
     precision = instantiate(cfg.precision)
@@ -82,7 +84,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     log.info(f"model {cfg.model.name}: {num_params:,} parameters; {steps} steps of "
              f"{tokens_per_step(cfg):,} tokens; run dir {run_dir}")
 
-    return Trainer(
+    trainer = Trainer(
         config=OmegaConf.to_object(t),
         strategy=strategy,
         precision=precision,
@@ -100,6 +102,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         loggers=loggers,
         run_dir=run_dir,
     )
+    # Continue from a checkpoint (resume=auto|PATH), or start from given weights (init_from).
+    resume(trainer, str(cfg.resume), cfg.init_from)
+    return trainer
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

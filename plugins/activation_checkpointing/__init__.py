@@ -5,5 +5,34 @@ from plugins.activation_checkpointing.base import (
     NoCheckpointing,
     NoCheckpointingConfig,
 )
+from plugins.activation_checkpointing.offload import ActivationOffloading, ActivationOffloadingConfig
+from plugins.activation_checkpointing.recompute import (
+    SELECTIVE_SAVE_OPS,
+    AttentionCheckpointing,
+    AttentionCheckpointingConfig,
+    EveryNthCheckpointing,
+    EveryNthCheckpointingConfig,
+    FullCheckpointing,
+    FullCheckpointingConfig,
+    SelectiveCheckpointing,
+    SelectiveCheckpointingConfig,
+)
 
-__all__ = ["ActivationCheckpointing", "NoCheckpointing", "NoCheckpointingConfig"]
+# Schema of each policy, registered in Hydra's ConfigStore as `<name>_schema` (conf/activation_checkpointing/
+# *.yaml names it in its defaults list).
+ACTIVATION_CHECKPOINTING_SCHEMAS: dict[str, type] = {
+    "none": NoCheckpointingConfig,
+    "full": FullCheckpointingConfig,
+    "every_n": EveryNthCheckpointingConfig,
+    "selective": SelectiveCheckpointingConfig,
+    "attention": AttentionCheckpointingConfig,
+    "offload": ActivationOffloadingConfig,
+}
+
+__all__ = [
+    "ActivationCheckpointing", "NoCheckpointing", "NoCheckpointingConfig",
+    "FullCheckpointing", "FullCheckpointingConfig", "EveryNthCheckpointing", "EveryNthCheckpointingConfig",
+    "SelectiveCheckpointing", "SelectiveCheckpointingConfig", "AttentionCheckpointing",
+    "AttentionCheckpointingConfig", "ActivationOffloading", "ActivationOffloadingConfig",
+    "ACTIVATION_CHECKPOINTING_SCHEMAS", "SELECTIVE_SAVE_OPS",
+]

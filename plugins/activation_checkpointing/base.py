@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
@@ -10,8 +11,10 @@ import torch.nn as nn
 class ActivationCheckpointing:
     """A policy decides, block by block, what the forward keeps for the backward.
 
-    `wrap_block` receives each transformer block with its index and returns the module to put in its
-    place. The default keeps every activation (no recomputation).
+    `wrap_block` receives each transformer block with its global layer index and the model's number of
+    layers, and returns the module to put in its place. The default keeps every activation (no
+    recomputation). Strategies call `apply` on each model part after tensor parallelism and before
+    compile and data-parallel wrapping.
     """
 
     name: str = "none"
@@ -20,13 +23,27 @@ class ActivationCheckpointing:
         del layer_index, num_layers
         return block
 
+    def check_model(self, num_layers: int) -> None:
+        """Raise ValueError when the policy cannot do what it promises on a model of `num_layers` blocks
+        (called by config validation, before any process starts)."""
+        del num_layers
+
+    def check_strategy(self, strategy: Any) -> None:
+        """Raise ValueError, naming both, when the (instantiated, not yet set up) strategy cannot run this
+        policy (called by config validation)."""
+        del strategy
+
     def apply(self, model: nn.Module) -> None:
         """Replace the blocks in `model.layers` (an nn.ModuleDict, so stage names survive)."""
         layers = getattr(model, "layers", None)
         if layers is None:
             return
-        num_layers = len(layers)
-        for index, (name, block) in enumerate(list(layers.items())):
+        config = getattr(model, "config", None)
+        num_layers = int(getattr(config, "n_layers", len(layers)))
+        for position, (name, block) in enumerate(list(layers.items())):
+            # The keys are global layer indices (a pipeline stage keeps them), so a stage picks the same
+            # blocks as the whole model would: every_n gives the same recomputation under any split.
+            index = int(name) if name.isdigit() else position
             layers[name] = self.wrap_block(block, index, num_layers)
 
 

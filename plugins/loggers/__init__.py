@@ -18,9 +18,24 @@ def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
 
     from lightning.fabric.loggers import CSVLogger
 
+    class StepRowCSVLogger(CSVLogger):
+        """Lightning's CSVLogger writes one row per call; the loop, the monitors and validation each log
+        a step's metrics in their own call, so calls for the step of the last row are merged into it."""
+
+        def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+            rows = self.experiment.metrics
+            if step is not None and rows and rows[-1].get("step") == step:
+                rows[-1].update({k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()})
+                return
+            # Flush only when a new step starts, so that no step is split over two rows.
+            if len(rows) >= self._flush_logs_every_n_steps:
+                self.save()
+            self.experiment.log_metrics(metrics, step)
+
     # The run directory already holds config.yaml and the log; Lightning would warn about that.
     warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
-    return CSVLogger(root_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=flush_logs_every_n_steps)
+    return StepRowCSVLogger(root_dir=str(run_dir), name="", version="",
+                            flush_logs_every_n_steps=flush_logs_every_n_steps)
 
 
 def tensorboard_logger(run_dir: str | Path, subdir: str = "tensorboard") -> Any:

@@ -98,6 +98,7 @@ class Strategy:
         compile -> data-parallel wrapping, then weights are materialized and initialized (here, with no
         sharding, materializing first is equivalent and simpler).
         """
+        precision.setup(self.device)
         activation_checkpointing.apply(model)
         if compile:
             compile_blocks(model)

@@ -143,6 +143,11 @@ class ShardedOptimizerStates:
             groups.append({**group, "params": views})
         return factory(groups)
 
+    def optimizer_tensor_pairs(self) -> list[tuple[nn.Parameter, DTensor]]:
+        """(parameter, the Shard(0) view of it the optimizer steps): checkpoints name each optimizer
+        state after its parameter, so that it can be resharded onto another strategy."""
+        return list(getattr(self, "_shards", []))
+
     def _as_shard(self, rows: torch.Tensor, like: torch.Tensor) -> DTensor:
         return DTensor.from_local(rows, self._mesh, [Shard(0)], run_check=False, shape=like.shape,
                                   stride=like.stride())

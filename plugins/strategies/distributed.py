@@ -114,10 +114,13 @@ class DistributedStrategy(Strategy):
         # Weights are initialized in full before wrapping when they fit (`init=full`), which gives
         # bitwise the same initial weights as a single-process run; big models are initialized shard by
         # shard after wrapping (`init=sharded`).
+        precision.setup(self.device)
         full = self.full_init(model)
         if full:  # before the split and TP, so every shard and stage holds the single-process weights
             self.materialize(model)
-            model.to(dtype=precision.param_dtype)
+        # Drawn in fp32 then cast (the same weights as one process), or cast on the meta device so that
+        # a sharded init allocates its shards in the parameter dtype (bf16_true) before FSDP records it.
+        model.to(dtype=precision.param_dtype)
         parts = []
         for part in self.split_pipeline(model):
             self.apply_model_parallel(part)

@@ -12,7 +12,7 @@ resumed with a different ``dp_size``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,11 +137,37 @@ class StatefulLoader(Iterator[list[Batch]]):
         self.epoch = 0
         self.step_in_epoch = 0
         self._perm: tuple[tuple[int, int, bool], np.ndarray] | None = None
+        # Global batches never to return, by absolute position (see `position`): the loss-spike
+        # stabilizer's ledger. Kept out of state_dict because its owner (the ledger) restores it.
+        self.skip_positions: set[int] = set()
+        # Absolute position of the batch the last next() returned (None before the first).
+        self.last_position: int | None = None
 
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch (the incomplete tail is dropped)."""
         return len(self.windows) // self.global_batch_size
+
+    @property
+    def position(self) -> int:
+        """Absolute index of the next global batch: epoch * steps_per_epoch + step_in_epoch.
+
+        It names a batch independently of the rank layout, so every rank (and a resume on another
+        world size) agrees on it.
+        """
+        return self.epoch * self.steps_per_epoch + self.step_in_epoch
+
+    def skip(self, positions: Iterable[int]) -> None:
+        """Never return the global batches at these absolute positions (a skipped one is passed over
+        as if consumed, so the batches after it are unchanged)."""
+        self.skip_positions.update(int(p) for p in positions)
+
+    def _advance(self) -> None:
+        self.step_in_epoch += 1
+        # Roll over eagerly so that state_dict() always names the *next* batch's epoch.
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch += 1
+            self.step_in_epoch = 0
 
     @property
     def num_micro_batches(self) -> int:
@@ -170,14 +196,13 @@ class StatefulLoader(Iterator[list[Batch]]):
         return self
 
     def __next__(self) -> list[Batch]:
+        while self.position in self.skip_positions:
+            self._advance()
+        self.last_position = self.position
         indices = self._rank_indices()
         m = self.micro_batch_size
         batches = [_gather(self.windows, indices[i : i + m]) for i in range(0, len(indices), m)]
-        self.step_in_epoch += 1
-        # Roll over eagerly so that state_dict() always names the *next* batch's epoch.
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch += 1
-            self.step_in_epoch = 0
+        self._advance()
         return batches
 
     def state_dict(self) -> dict[str, Any]:

@@ -95,6 +95,26 @@ def materialized_causal_attention(
     return probs @ v
 
 
+class CoreAttention(nn.Module):
+    """Causal ``dropout(softmax(q k^T / sqrt(d))) v`` on ``[B, H, S, D]``: attention without weights.
+
+    A module of its own (no parameters, so no state-dict entries) so that activation
+    checkpointing can recompute just this part (Korthikanti et al. 2022's selective
+    recomputation, ``activation_checkpointing=attention``).
+    """
+
+    def __init__(self, attn_impl: str, dropout: float) -> None:
+        super().__init__()
+        self.attn_impl = attn_impl
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attn_impl == "materialized":
+            return materialized_causal_attention(q, k, v, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with a fused qkv projection."""
 
@@ -102,20 +122,15 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.head_dim = config.head_dim
-        self.attn_impl = config.attn_impl
-        self.dropout = config.dropout
         self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)
+        self.core_attention = CoreAttention(config.attn_impl, config.dropout)
         self.wo = nn.Linear(config.dim, config.dim, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
         qkv = self.wqkv(x).view(batch, seq_len, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        dropout_p = self.dropout if self.training else 0.0
-        if self.attn_impl == "materialized":
-            out = materialized_causal_attention(q, k, v, dropout_p)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        out = self.core_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, dim))
 
     def init_weights(self, std: float, residual_std: float) -> None:

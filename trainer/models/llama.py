@@ -130,6 +130,24 @@ def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     return (x32 * cos + _rotate_half(x32) * sin).type_as(x)
 
 
+class CoreAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d) + causal mask) v`` on ``[B, H, S, D]``: attention without weights.
+
+    A module of its own (no parameters, so no state-dict entries) so that activation
+    checkpointing can recompute just this part (Korthikanti et al. 2022's selective
+    recomputation, ``activation_checkpointing=attention``).
+    """
+
+    def __init__(self, grouped: bool) -> None:
+        super().__init__()
+        # enable_gqa only when heads are actually grouped: some fused kernels reject the
+        # flag outright, and plain multi-head attention should keep all of them eligible.
+        self.grouped = grouped
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE and no biases."""
 
@@ -141,6 +159,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.core_attention = CoreAttention(grouped=self.n_kv_heads != self.n_heads)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
@@ -151,11 +170,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # enable_gqa only when heads are actually grouped: some fused kernels reject the
-        # flag outright, and plain multi-head attention should keep all of them eligible.
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        out = self.core_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, std: float, residual_std: float) -> None:

@@ -1,0 +1,482 @@
+"""Checkpoints: exact resume per strategy, resharding resume, faults (killed ranks, killed saves, damaged
+files), retention policies and safe loading.
+
+Exact resume compares STEPS steps straight with HALF steps + a resume for the rest (the issue's 40 =
+20 + 20, scaled down to 20 = 10 + 10 for the test budget). Multi-process runs are batched into three
+launches: 4 processes (zero3 exact resume; 3d pp=2 x tp=2 exact resume; the zero3 checkpoint resumed
+under 3d tp=2 x dp=2 with ZeRO-1, which then saves for a single-process resume), 2 processes (ddp stopped
+by SIGTERM on one rank, zero1 with asynchronous saves and pp exact resume; the zero3 checkpoint resumed
+under pp=2), and one `python -m trainer trainer.max_restarts=2` job whose rank 1 is SIGKILLed twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from trainer.callback import Callback
+from trainer.checkpoint import (
+    CheckpointCorruptError,
+    RetentionPolicy,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trainer.checkpoint.storage import UnsafeCheckpointError, read_metadata
+from trainer.config import compose
+from trainer.run import build_trainer
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
+# STEPS steps of 8 sequences x 32 tokens, every loss logged; validation at HALF and at the end. (The issue's
+# 40 = 20 + 20 scaled down to 20 = 10 + 10 for the test budget: 8 launches' worth of steps on 2 cores.)
+STEPS, HALF = 20, 10
+LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+        f"trainer.val_every={HALF}", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=200000",
+        "trainer.peak_flops=1e12", "trainer.num_threads=1", "callbacks=none"]
+BASE = MODEL + LOOP
+CHECKPOINTS = ["callbacks=[checkpoint]"]
+# Exact-resume strategies on 2 processes (micro-batch 4: one micro-batch per rank, or 2 pipeline ones);
+# zero3 and 3d run on 4.
+TWO = {
+    "ddp": ["strategy=ddp", "trainer.devices=2", "trainer.micro_batch_size=4"],
+    "zero1_async": ["strategy=zero1", "trainer.devices=2", "trainer.micro_batch_size=4"],
+    "pp": ["strategy=pp", "pp=2", "trainer.devices=2", "trainer.micro_batch_size=4"],
+}
+# Options of the manager in the interrupted run.
+MANAGER_OPTIONS = {"zero1_async": ["callbacks.checkpoint.async_save=true"]}
+ZERO3_4 = ["strategy=zero3", "trainer.devices=4", "trainer.micro_batch_size=2"]
+THREE_D = ["strategy=3d", "pp=2", "tp=2", "trainer.devices=4", "trainer.micro_batch_size=4"]
+# tp=2 x dp=2 with ZeRO-1 over dp: its optimizer steps Shard(0) views of tensor-parallel shards.
+TP_DP = ["strategy=3d", "strategy.data_parallel=zero1", "tp=2", "pp=1", "trainer.devices=4", "trainer.micro_batch_size=4"]
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _keep_thread_count() -> Iterator[None]:
+    """The runs here set trainer.num_threads=1 (the machine's cores are shared); later test modules in
+    this process get torch's thread count back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- callbacks the runs use (importable by the workers as tests.test_checkpoint.*) -----------------------
+class SignalAtStep(Callback):
+    """Send SIGTERM to this process (on one rank) just before step `step` runs, as a scheduler would."""
+
+    def __init__(self, step: int, rank: int = 0) -> None:
+        self.step = step
+        self.rank = rank
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        if trainer.step == self.step - 1 and trainer.strategy.rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StopAfterSteps(Callback):
+    """End fit() after `steps` steps of this run (to read the first resumed losses)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._start = 0
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self._start = trainer.step
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if trainer.step - self._start >= self.steps:
+            trainer.should_stop = True
+
+
+class KillAtStep(Callback):
+    """SIGKILL one rank at a step, in the given elastic attempt only (TORCHELASTIC_RESTART_COUNT)."""
+
+    def __init__(self, step: int, rank: int = 1, attempt: int = 0) -> None:
+        self.step, self.rank, self.attempt = step, rank, attempt
+
+    def _armed(self, trainer: Any) -> bool:
+        return (trainer.strategy.rank == self.rank and trainer.step == self.step
+                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == self.attempt)
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if self._armed(trainer):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillDuringSave(KillAtStep):
+    """SIGKILL one rank while the checkpoint of `step` is being written (after the save has started)."""
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        pass
+
+    def on_save_checkpoint(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
+        if self._armed(trainer):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FailAtStep(Callback):
+    """Raise at the end of a step (the state is consistent: the manager's exception save keeps it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if trainer.step == self.step:
+            raise RuntimeError(f"injected failure at step {self.step}")
+
+
+HELPERS = {"signal": SignalAtStep, "stop": StopAfterSteps, "kill": KillAtStep, "kill_save": KillDuringSave,
+           "fail": FailAtStep}
+
+
+def helper(name: str, **options: Any) -> list[str]:
+    """Overrides adding one of the callbacks above as `callbacks.<name>`."""
+    target = f"+callbacks.{name}._target_=tests.test_checkpoint.{HELPERS[name].__name__}"
+    return [target] + [f"+callbacks.{name}.{key}={value}" for key, value in options.items()]
+
+
+def column(run_dir: Path, name: str = "train_loss") -> dict[int, float]:
+    with open(run_dir / "metrics.csv") as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+
+
+def half_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"step_{HALF:08d}"
+
+
+def exact_resume_runs(name: str, overrides: list[str], out: Path, stop: bool = False) -> list[dict]:
+    """STEPS steps straight, saving every HALF steps, and a run resumed from step HALF. With `stop`, the
+    resumed run instead continues a run that a SIGTERM on rank 1 stopped after saving step HALF."""
+    manager = CHECKPOINTS + MANAGER_OPTIONS.get(name, [])
+    straight = BASE + overrides + ([] if stop else manager + [f"callbacks.checkpoint.every_n_steps={HALF}"])
+    runs = [{"name": f"{name}-straight", "overrides": straight}]
+    if stop:
+        runs.append({"name": f"{name}-first", "overrides": BASE + overrides + manager + helper("signal", step=HALF, rank=1)})
+    saved = half_checkpoint(out / f"{name}-{'first' if stop else 'straight'}")
+    runs.append({"name": f"{name}-resumed", "overrides": BASE + overrides + [f"resume={saved}"]})
+    return runs
+
+
+# ---- the batched multi-process launches ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_strategies import launch_harness
+
+    out = tmp_path_factory.mktemp("checkpoint")
+    np4, np2 = out / "np4", out / "np2"
+    source = half_checkpoint(np4 / "zero3-straight")
+    launch_harness(out, 4, [
+        *exact_resume_runs("zero3", ZERO3_4, np4),
+        # one step, then saved at the end (step HALF + 1) for test_a_resharded_run_saves_what_resumes_again
+        {"name": "tp_dp-from-zero3", "overrides": BASE + TP_DP + CHECKPOINTS + helper("stop", steps=1) + [
+            f"resume={source}"]},
+        *exact_resume_runs("3d", THREE_D, np4),
+    ])
+    runs = [run for name, overrides in TWO.items() for run in exact_resume_runs(name, overrides, np2, stop=name == "ddp")]
+    runs.append({"name": "pp-from-zero3", "overrides": BASE + TWO["pp"] + helper("stop", steps=1) + [f"resume={source}"]})
+    launch_harness(out, 2, runs)
+    return out
+
+
+EXACT = [("np2", name) for name in TWO] + [("np4", "zero3"), ("np4", "3d")]
+
+
+@pytest.mark.parametrize(("nproc", "name"), EXACT, ids=[f"{n}-{s}" for n, s in EXACT])
+def test_exact_resume_gives_the_same_losses(launches: Path, nproc: str, name: str) -> None:
+    run_dir = launches / nproc
+    straight = column(run_dir / f"{name}-straight")
+    resumed = column(run_dir / f"{name}-resumed")
+    assert sorted(straight) == list(range(1, STEPS + 1)) and sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert [resumed[s] for s in sorted(resumed)] == [straight[s] for s in sorted(resumed)]
+    assert column(run_dir / f"{name}-resumed", "val_loss")[STEPS] == column(run_dir / f"{name}-straight", "val_loss")[STEPS]
+
+
+def test_sigterm_on_one_rank_saves_and_stops_every_rank(launches: Path) -> None:
+    """ddp-first got SIGTERM on rank 1 only, before step HALF: all ranks agreed to save step HALF and stop;
+    its resumed run gave the straight run's losses (checked above)."""
+    first = launches / "np2" / "ddp-first"
+    assert column(first) == {s: column(launches / "np2" / "ddp-straight")[s] for s in range(1, HALF + 1)}
+    assert [c.name for c in complete_checkpoints(first / "checkpoints")] == [half_checkpoint(first).name]
+    manifest = json.loads((half_checkpoint(first) / "checkpoint.json").read_text())
+    assert manifest["reason"] == "signal" and manifest["step"] == HALF and manifest["world_size"] == 2
+    assert "SIGTERM: saving a checkpoint" not in (launches / "np2" / "train.log").read_text()  # rank 0 was not signalled
+    assert "a signal on another rank: saving a checkpoint at step" in (launches / "np2" / "train.log").read_text()
+
+
+@pytest.mark.parametrize(("nproc", "name"), [("np4", "tp_dp"), ("np2", "pp")])
+def test_zero3_checkpoint_resumes_under_another_layout(launches: Path, nproc: str, name: str) -> None:
+    """Saved by zero3 on 4 ranks; the first step resumed under tp=2 x dp=2 (4 ranks) or pp=2 (2 ranks)
+    logs the loss the original run logged at that step."""
+    original = column(launches / "np4" / "zero3-straight")
+    resumed = column(launches / nproc / f"{name}-from-zero3")
+    assert list(resumed) == [HALF + 1]
+    assert resumed[HALF + 1] == pytest.approx(original[HALF + 1], rel=1e-4)
+
+
+def test_a_resharded_run_saves_what_resumes_again(launches: Path, tmp_path: Path) -> None:
+    """zero3 (4 ranks) -> one step under tp=2 x dp=2 with ZeRO-1 states, saved -> one process: the next two
+    losses are the original run's, so the ZeRO-1 states of tensor-parallel shards were saved and loaded
+    in the parameters' layout."""
+    checkpoint = launches / "np4" / "tp_dp-from-zero3" / "checkpoints" / f"step_{HALF + 1:08d}"
+    assert json.loads((checkpoint / "checkpoint.json").read_text())["parallel_dims"]["tp"] == 2
+    trainer = build_trainer(compose(BASE + ["trainer.micro_batch_size=8", f"resume={checkpoint}"]), tmp_path)
+    trainer.callbacks.append(StopAfterSteps(2))
+    trainer.fit()
+    original = column(launches / "np4" / "zero3-straight")
+    assert column(tmp_path) == pytest.approx({s: original[s] for s in (HALF + 2, HALF + 3)}, rel=1e-4)
+
+
+def test_zero3_checkpoint_resumes_on_a_single_process(launches: Path, tmp_path: Path) -> None:
+    checkpoint = half_checkpoint(launches / "np4" / "zero3-straight")
+    trainer = build_trainer(compose(BASE + ["trainer.micro_batch_size=8", f"resume={checkpoint}"]), tmp_path)
+    assert trainer.step == HALF and trainer.tokens_seen == HALF * 8 * 32
+    trainer.callbacks.append(StopAfterSteps(1))
+    trainer.fit()
+    assert column(tmp_path)[HALF + 1] == pytest.approx(column(launches / "np4" / "zero3-straight")[HALF + 1], rel=1e-4)
+
+
+def test_killed_ranks_restart_and_resume_from_the_last_complete_checkpoint(launches: Path, tmp_path: Path) -> None:
+    """`python -m trainer trainer.max_restarts=2`: rank 1 is SIGKILLed at step 6 (the elastic agent restarts
+    the job, which resumes from step 4), then SIGKILLed while step 8 is being saved (that save never
+    completes: the next restart resumes from step 4 again and removes it). The job still ends with the
+    final loss of the uninterrupted run."""
+    command = [sys.executable, "-m", "trainer", *BASE, *TWO["ddp"], *CHECKPOINTS, "callbacks.checkpoint.every_n_steps=4",
+               "trainer.max_restarts=2", f"hydra.run.dir={tmp_path}",
+               *helper("kill", step=6, rank=1, attempt=0), *helper("kill_save", step=8, rank=1, attempt=1)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    checkpoints = tmp_path / "checkpoints"
+    assert f"resumed from {checkpoints / 'step_00000004'} at step 4 (restart 1)" in log
+    assert f"resumed from {checkpoints / 'step_00000004'} at step 4 (restart 2)" in log
+    assert f"removed an incomplete save (a process stopped while writing it): {checkpoints / '.step_00000008.partial'}" in log
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    assert summary["final_train_loss"] == column(launches / "np2" / "ddp-straight")[STEPS]
+    assert latest_complete_checkpoint(checkpoints).name == f"step_{STEPS:08d}"
+
+
+# ---- one process ------------------------------------------------------------------------------------------
+SINGLE = ["trainer.micro_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def single_straight(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("single-straight")
+    build_trainer(compose(BASE + SINGLE), run_dir).fit()
+    return column(run_dir)
+
+
+def test_single_process_sigterm_saves_stops_and_resume_auto_continues_exactly(
+        tmp_path: Path, single_straight: dict[int, float]) -> None:
+    first = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + helper("signal", step=HALF)), tmp_path)
+    first.fit()
+    assert first.step == HALF and first.should_stop
+    assert [c.name for c in complete_checkpoints(tmp_path / "checkpoints")] == [half_checkpoint(tmp_path).name]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the manager put the default handler back
+    first_losses = column(tmp_path)
+    # resume=auto (the default) in the same run directory picks the checkpoint up
+    resumed = build_trainer(compose(BASE + SINGLE), tmp_path)
+    assert resumed.step == HALF and resumed.tokens_seen == HALF * 8 * 32
+    resumed.fit()
+    losses = {**first_losses, **column(tmp_path)}
+    assert [losses[s] for s in range(1, STEPS + 1)] == [single_straight[s] for s in range(1, STEPS + 1)]
+
+
+def test_an_exception_saves_the_state_and_the_run_resumes_from_it(
+        tmp_path: Path, single_straight: dict[int, float]) -> None:
+    failing = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + helper("fail", step=6)), tmp_path)
+    with pytest.raises(RuntimeError, match="injected failure at step 6"):
+        failing.fit()
+    checkpoint = latest_complete_checkpoint(tmp_path / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == "step_00000006"
+    assert json.loads((checkpoint / "checkpoint.json").read_text())["reason"] == "exception"
+    resumed = build_trainer(compose(BASE + SINGLE), tmp_path)
+    resumed.callbacks.append(StopAfterSteps(4))
+    resumed.fit()
+    assert column(tmp_path) == {s: single_straight[s] for s in range(7, 11)}
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("two-checkpoints")
+    trainer = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + ["callbacks.checkpoint.every_n_steps=4"]), run_dir)
+    trainer.callbacks.append(StopAfterSteps(8))
+    trainer.fit()
+    assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")] == ["step_00000004", "step_00000008"]
+    return run_dir
+
+
+@pytest.fixture
+def two_checkpoints(two_checkpoints_once: Path, tmp_path: Path) -> Path:
+    """A run directory of its own with complete checkpoints at steps 4 and 8."""
+    shutil.copytree(two_checkpoints_once, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_a_damaged_shard_is_named_and_resume_auto_falls_back(two_checkpoints: Path, damage: str,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    latest = two_checkpoints / "checkpoints" / "step_00000008"
+    shard = latest / "__0_0.distcp"
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    else:
+        shard.unlink()
+    trainer = build_trainer(compose(BASE + SINGLE + ["resume=none"]), two_checkpoints / "other")
+    expected = {"truncate": "is truncated", "flip": "does not match the CRC-32", "delete": "is missing"}[damage]
+    with pytest.raises(CheckpointCorruptError, match=expected) as error:
+        load_checkpoint(trainer, latest)
+    assert str(shard) in str(error.value) and error.value.file == shard
+    with caplog.at_level("WARNING", logger="trainer"):
+        resumed = build_trainer(compose(BASE + SINGLE), two_checkpoints)
+    assert resumed.step == 4
+    assert "falling back to the previous complete checkpoint" in caplog.text and str(shard) in caplog.text
+
+
+def test_a_damaged_checkpoint_given_explicitly_fails_clearly(two_checkpoints: Path) -> None:
+    latest = two_checkpoints / "checkpoints" / "step_00000008"
+    (latest / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointCorruptError, match="__0_0.distcp is truncated"):
+        build_trainer(compose(BASE + SINGLE + [f"resume={latest}"]), two_checkpoints / "other")
+
+
+def test_a_save_that_never_committed_is_ignored_and_cleaned_up(two_checkpoints: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.checkpoint.manifest as manifest
+
+    trainer = build_trainer(compose(BASE + SINGLE + ["resume=none"]), two_checkpoints / "other")
+    real_replace = os.replace
+
+    def crash_before_rename(src: Any, dst: Any) -> None:
+        if str(src).endswith(".partial"):
+            raise OSError("simulated crash before the commit")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest.os, "replace", crash_before_rename)
+    with pytest.raises(Exception, match="simulated crash"):
+        save_checkpoint(trainer, two_checkpoints / "checkpoints" / "step_00000012")
+    monkeypatch.undo()
+    partial = two_checkpoints / "checkpoints" / ".step_00000012.partial"
+    assert (partial / ".metadata").is_file()  # every shard was written, only the commit is missing
+    assert latest_complete_checkpoint(two_checkpoints / "checkpoints").name == "step_00000008"
+    resumed = build_trainer(compose(BASE + SINGLE + CHECKPOINTS), two_checkpoints)
+    assert resumed.step == 8
+    resumed.callbacks.append(StopAfterSteps(0))
+    resumed.fit()  # the manager's start removes what the interrupted save left
+    assert not partial.exists()
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(two_checkpoints: Path) -> None:
+    from trainer.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="saved for another model: model.dim=64 vs 32"):
+        build_trainer(compose(BASE + SINGLE + ["model.dim=32"]), two_checkpoints)
+
+
+def test_resume_and_init_from_are_validated_before_launch(tmp_path: Path) -> None:
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="resume: .* does not exist"):
+        validate(compose(BASE + [f"resume={tmp_path / 'nope'}"]))
+    with pytest.raises(ConfigError, match="init_from: .* neither a checkpoint"):
+        validate(compose(BASE + [f"init_from={tmp_path}"]))
+    with pytest.raises(ConfigError, match="callbacks.checkpoint: keep_last must be >= 1"):
+        validate(compose(BASE + CHECKPOINTS + ["callbacks.checkpoint.keep_last=0"]))
+
+
+def test_parameter_names_ignore_wrappers() -> None:
+    """Optimizer states are named like get_model_state_dict names the weights, through activation
+    checkpointing (and torch.compile's module wrapper) attributes."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from trainer.checkpoint.state import canonical_name
+
+    model = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2))
+    names = [canonical_name(name, model) for name, _ in model.named_parameters()]
+    assert names == list(get_model_state_dict(model)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert canonical_name("layers.0._orig_mod.attention.wq.weight", model) == "layers.0.attention.wq.weight"
+
+
+def test_retention_keeps_the_last_the_best_and_the_milestones() -> None:
+    policy = RetentionPolicy(keep_last=2, keep_best=2, monitor="val_loss", mode="min", milestone_every=30)
+    losses = {10: 3.0, 20: 2.0, 30: 2.5, 40: 1.5, 50: 1.9, 60: 2.2, 70: 2.4}
+    entries = [(step, Path(f"step_{step}"), {"val_loss": loss}) for step, loss in losses.items()]
+    entries.append((80, Path("step_80"), {}))  # not validated (yet)
+    kept = {int(p.name.split("_")[1]) for p in policy.keep(entries)}
+    assert kept == {70, 80} | {40, 50} | {30, 60}
+
+
+def test_manager_saves_on_time_and_steps_and_prunes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    import plugins.callbacks.checkpoint as manager_module
+
+    clock = [0.0]
+    monkeypatch.setattr(manager_module.time, "monotonic", lambda: clock[0])
+
+    class Clock(Callback):
+        def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+            clock[0] += 25.0  # every step "takes" 25 s: a 1-minute timer expires on the third step
+
+    # saves: timed at 3 and 8, periodic at 5 and 10, at the end 12; validation at 3, 6, 9, 12
+    options = ["callbacks.checkpoint.every_n_steps=5", "callbacks.checkpoint.every_n_minutes=1",
+               "callbacks.checkpoint.keep_last=2", "callbacks.checkpoint.keep_best=1",
+               "callbacks.checkpoint.monitor=val_loss", "callbacks.checkpoint.mode=max",
+               "callbacks.checkpoint.milestone_every=10", "trainer.val_every=3"]
+    trainer = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + options), tmp_path)
+    trainer.callbacks.insert(0, Clock())
+    trainer.callbacks.append(StopAfterSteps(12))
+    with caplog.at_level("INFO", logger="trainer"):
+        trainer.fit()
+    saved = [int(line.split("step_")[1][:8]) for line in caplog.messages if line.startswith("checkpoint saved")]
+    removed = [int(line.split("step_")[1][:8]) for line in caplog.messages if "retention policy" in line]
+    assert saved == [3, 5, 8, 10, 12] and sorted(removed) == [5, 8]
+    manifests = {int(p.name[5:]): json.loads((p / "checkpoint.json").read_text())
+                 for p in complete_checkpoints(tmp_path / "checkpoints")}
+    # kept: the last two (10, 12), the worst validation loss (mode=max: step 3, validated after its
+    # save), the milestone (10)
+    assert sorted(manifests) == [3, 10, 12]
+    assert [manifests[s]["reason"] for s in (3, 10, 12)] == ["timed", "periodic", "end"]
+    val = column(tmp_path, "val_loss")
+    assert manifests[3]["metrics"]["val_loss"] == val[3] > val[12] == manifests[12]["metrics"]["val_loss"]
+
+
+def test_checkpoint_loading_refuses_code_in_metadata_and_values(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint.storage import SafeFileSystemReader, WeightsOnlyLoadPlanner
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (print, ("this must never run",))
+
+    with pytest.warns(UserWarning):
+        dcp.save({"x": torch.ones(2), "payload": Payload()}, checkpoint_id=tmp_path / "values", no_dist=True)
+    state = {"x": torch.zeros(2), "payload": None}
+    with pytest.warns(UserWarning), pytest.raises(CheckpointException) as error:
+        dcp.load(state, storage_reader=SafeFileSystemReader(tmp_path / "values"), planner=WeightsOnlyLoadPlanner(),
+                 no_dist=True)
+    assert "Weights only load failed" in str(error.value.failures[0]) and state["payload"] is None
+    metadata = tmp_path / "values" / ".metadata"
+    metadata.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load builtins.print"):
+        read_metadata(metadata.parent)

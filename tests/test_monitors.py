@@ -1,0 +1,83 @@
+"""Throughput and memory monitors: MFU against the measured CPU peak in the progress bar and
+metrics.csv, the monitors' figures consistent with the loop's, and every logger receiving them."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugins.callbacks.monitors import busy_seconds
+from trainer.config import compose
+from trainer.hardware import measure_matmul_flops
+from trainer.run import train
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128",
+        "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.max_steps=5",
+        "trainer.log_every=2", "trainer.val_every=0", "trainer.val_batches=1", "lr_schedule.warmup_steps=1",
+        "data.max_bytes=1000000"]
+MIB = 2**20
+
+
+def test_mfu_against_the_measured_cpu_peak_in_progress_bar_metrics_and_every_logger(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="trainer")
+    # default callbacks (progress bar, throughput and memory monitors); csv and tensorboard loggers
+    summary = train(compose(TINY + ["logger=[csv,tensorboard]", "trainer.peak_flops=null"]), tmp_path)
+
+    # no trainer.peak_flops on CPU: the peak is this process's measured matmul peak (cached per process)
+    peak = summary["peak_flops_per_device"]
+    assert peak == measure_matmul_flops("cpu", torch.float32)
+
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [2, 4, 5]  # one row per logged step, the last one with val_loss
+    assert rows[-1]["val_loss"]
+    tokens_per_step, seq_len = 8 * 32, 32
+    for row in rows:
+        value = {k: float(v) for k, v in row.items() if v != ""}
+        # the loop's MFU: model FLOP/s over the measured peak
+        assert value["mfu"] == pytest.approx(value["tokens_per_s"] * summary["flops_per_token"] / peak, rel=1e-9)
+        # the throughput monitor measured the same interval: its FLOP/s and samples/s agree with the loop
+        assert value["flops_per_s"] / peak == pytest.approx(value["mfu"], rel=1e-6)
+        assert value["samples_per_s"] * seq_len == pytest.approx(value["tokens_per_s"], rel=1e-6)
+        # the step-time breakdown: forward/backward + optimizer is the training time per step
+        assert value["data_s"] > 0 and value["forward_backward_s"] > 0 and value["optimizer_s"] > 0
+        assert value["forward_backward_s"] + value["optimizer_s"] == pytest.approx(
+            tokens_per_step / value["tokens_per_s"], rel=1e-6)
+        assert value["peak_memory_mib/rank0"] == value["peak_memory_mib/max"] > 0
+        assert value["grad_norm"] > 0 and value["lr"] > 0
+        assert "comm_s" not in value  # profiling is off by default
+    assert float(rows[-1]["peak_memory_mib/rank0"]) <= summary["peak_memory_bytes_per_rank"][0] / MIB
+
+    # the progress bar (log lines off a terminal) shows the same MFU
+    shown = [float(m) for m in re.findall(r"step \d+/5 \|.*\| mfu ([\d.]+)% \|", caplog.text)]
+    assert shown == [round(100 * float(r["mfu"]), 1) for r in rows]
+
+    # the tensorboard logger received the loop's and the monitors' metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"mfu", "tokens_per_s", "samples_per_s", "flops_per_s", "data_s", "forward_backward_s", "optimizer_s",
+            "peak_memory_mib/rank0", "grad_norm", "lr", "train_loss", "val_loss"} <= tags
+    assert [e.step for e in events.Scalars("flops_per_s")] == [2, 4, 5]
+    assert [e.value for e in events.Scalars("mfu")] == pytest.approx([float(r["mfu"]) for r in rows], rel=1e-6)
+
+
+def test_busy_seconds_is_the_union_of_overlapping_intervals() -> None:
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+    assert busy_seconds([(3.0, 4.0), (0.0, 10.0), (2.0, 3.0)]) == pytest.approx(10.0)
+
+
+def test_comm_every_must_not_be_negative() -> None:
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="callbacks.throughput: comm_every must be >= 0"):
+        validate(compose(TINY + ["callbacks.throughput.comm_every=-1"]))

@@ -1,0 +1,312 @@
+"""The planner (`mode=plan`, trainer/planner) against published figures and against real runs.
+
+Published: the ZeRO paper's per-device memory of a 7.5B model on 64 GPUs; Korthikanti et al.'s per-layer
+activation formulas for their GPT configurations; Narayanan et al.'s model FLOPs formula; the Llama
+parameter counts. Measured here: the bytes of parameters, gradients and optimizer states each rank holds
+(summary.json of real gloo runs) against the analytic and the exact (meta device, fake process group)
+counts; the bytes a tiny model saves for the backward against the activation estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trainer.config import compose, validate
+from trainer.models import GPTConfig, build_meta_model, build_model
+from trainer.planner import HardwareConfig, plan
+from trainer.planner.activations import (
+    estimate_activations,
+    in_flight_microbatches,
+    korthikanti_layer_bytes,
+    layer_bytes,
+    saved_tensors,
+)
+from trainer.planner.core import hardware_from_config
+from trainer.planner.exact import exact_state_bytes
+from trainer.planner.layout import Layout, layout_from_config, model_config
+from trainer.planner.memory import (
+    ZERO_PAPER,
+    ZERO_STAGES,
+    RankCoords,
+    bytes_per_param,
+    model_state_bytes,
+    rank_state_bytes,
+)
+from trainer.planner.params import inventory
+from trainer.planner.timing import bubble_fraction, estimate_time
+
+REPO = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+
+# ---- published figures ---------------------------------------------------------------------------------
+def test_zero_paper_per_device_memory_of_7_5b_on_64_gpus() -> None:
+    """ZeRO (Rajbhandari et al. 2020), Figure 1: Psi = 7.5B, N_d = 64, K = 12."""
+    psi, nd = 7.5e9, 64
+    totals = [sum(model_state_bytes(psi, psi / nd, ZERO_STAGES[stage], ZERO_PAPER).values()) / GB for stage in range(4)]
+    assert totals[0] == pytest.approx(120.0)
+    assert round(totals[1], 1) == 31.4  # P_os: 2 + 2 + 12/64 bytes per parameter
+    assert round(totals[2], 1) == 16.6  # P_os+g
+    assert totals[3] == pytest.approx(1.88, abs=0.005)  # P_os+g+p
+    # bf16 parameters with fp32 master weights (precision=bf16_true) are exactly the paper's convention
+    assert bytes_per_param(layout_from_config(compose(["precision=bf16_true"]))) == ZERO_PAPER
+
+
+# Korthikanti et al. 2022, Table 3: (heads, hidden, layers, tp, pp); s = 2048, V = 51200.
+KORTHIKANTI = {"22B": (64, 6144, 48, 8, 1), "175B": (96, 12288, 96, 8, 8), "530B": (128, 20480, 105, 8, 35),
+               "1T": (160, 25600, 128, 8, 64)}
+
+
+def _gpt(heads: int, hidden: int, layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=51200, max_seq_len=2048, dim=hidden, n_layers=layers, n_heads=heads, dropout=0.1,
+                     attn_impl="materialized")
+
+
+@pytest.mark.parametrize("name", list(KORTHIKANTI))
+def test_korthikanti_per_layer_activations(name: str) -> None:
+    """The planner's saved-tensor list for GPT with materialized attention is Table 2, term by term."""
+    a, h, layers, t, _ = KORTHIKANTI[name]
+    s, b = 2048, 1
+    tensors = saved_tensors(inventory(_gpt(a, h, layers)), s, b, e=2)
+    sbh = s * b * h
+    assert korthikanti_layer_bytes(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    for sp in (False, True):
+        for policy, recompute in (("none", "none"), ("attention", "selective")):
+            expected = korthikanti_layer_bytes(s, b, h, a, t, sp, recompute)
+            assert layer_bytes(tensors, policy, t, sp) == pytest.approx(expected)
+    assert layer_bytes(tensors, "full", 1, False) == korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * sbh
+    assert layer_bytes(tensors, "attention", t, True) == pytest.approx(34 * sbh / t)
+
+
+def test_korthikanti_selective_savings_and_pipeline_first_stage() -> None:
+    """Section 5: selective recomputation saves 70% (GPT-3) and 65% (MT-NLG 530B) of the activations; with
+    1F1B the first stage holds p micro-batches of L/p layers: sbhL/t (34 + 5as/h), and the interleaved
+    schedule multiplies that by 1 + (p-1)/(p m)."""
+    for name, saving in (("175B", 0.70), ("530B", 0.65)):
+        a, h, _, t, _ = KORTHIKANTI[name]
+        selective = korthikanti_layer_bytes(2048, 1, h, a, t, True, "selective")
+        kept = selective / korthikanti_layer_bytes(2048, 1, h, a, t, True)
+        assert 1 - kept == pytest.approx(saving, abs=0.01)
+    a, h, layers, t, p = KORTHIKANTI["175B"]
+    inv = inventory(_gpt(a, h, layers))
+    per_stage = (layers // p,) * p
+    base = Layout(world_size=t * p, dp_replicate=1, dp_shard=1, tp=t, pp=p, strategy="3d", dp_flavour="none",
+                  layers_per_stage=per_stage, micro_batch_size=1, global_batch_size=64, seq_len=2048,
+                  compute_bytes=2, compute_dtype=torch.bfloat16)
+    first = estimate_activations(inv, base, 0)
+    assert first.in_flight == p
+    assert first.blocks == pytest.approx(2048 * h * layers / t * (34 + 5 * a * 2048 / h))
+    m = 2
+    interleaved = base.replace(schedule="interleaved_1f1b", virtual_stages=m,
+                               layers_per_stage=(layers // (p * m),) * p * m)
+    ratio = estimate_activations(inv, interleaved, 0).blocks / first.blocks
+    assert ratio == pytest.approx(1 + (p - 1) / (p * m))
+
+
+def test_pipeline_schedules_in_flight_and_bubble() -> None:
+    base = Layout(world_size=4, dp_replicate=1, dp_shard=1, tp=1, pp=4, strategy="pp", dp_flavour="none",
+                  micro_batch_size=1, global_batch_size=8)
+    assert [in_flight_microbatches(base.replace(schedule="gpipe"), r) for r in range(4)] == [8] * 4
+    assert [in_flight_microbatches(base, r) for r in range(4)] == [4, 3, 2, 1]
+    assert bubble_fraction(base) == pytest.approx(3 / 11)  # (p - 1) / (m + p - 1)
+    assert bubble_fraction(base.replace(schedule="interleaved_1f1b", virtual_stages=2)) == pytest.approx(1.5 / 9.5)
+
+
+def test_narayanan_model_flops() -> None:
+    """Narayanan et al. 2021, eq. 3: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per step without recomputation,
+    96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full recomputation (the hardware FLOPs)."""
+    cfg = compose(["model=gpt3_175b", "trainer.seq_len=2048", "trainer.global_batch_size=1536",
+                   "trainer.micro_batch_size=1536", "activation_checkpointing=full"])
+    inv = inventory(model_config(cfg))
+    B, s, l, h, V = 1536, 2048, 96, 12288, 50257
+    expected = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    assert inv.flops_per_token(s) * B * s == pytest.approx(expected, rel=1e-12)
+    timing = estimate_time(inv, layout_from_config(cfg), RankCoords(), hardware_from_config(cfg), [], 0.5)
+    hardware_flops = timing.flops_per_step + timing.recompute_flops_per_step
+    assert hardware_flops == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)), rel=1e-12)
+
+
+# Published parameter counts (Meta's model cards / the released checkpoints).
+LLAMA_PARAMS = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_70b": 68_976_648_192,
+                "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_PARAMS))
+def test_llama_parameter_counts(name: str) -> None:
+    config = model_config(compose([f"model={name}"]))
+    inv = inventory(config)
+    model = build_meta_model(config)
+    assert inv.num_params() == model.num_params() == LLAMA_PARAMS[name]
+    assert inv.flops_per_token(4096) == model.flops_per_token(4096)
+
+
+# ---- against this code base ------------------------------------------------------------------------------
+SMALL_GPT = ["model=gpt2_small", "model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.ffn_hidden_dim=512",
+             "model.vocab_size=256"]
+ACTIVATION_CASES = {
+    **{f"tiny {policy}": [f"activation_checkpointing={policy}"]
+       for policy in ("none", "full", "every_n", "selective", "attention")},
+    # Korthikanti's accounting term by term (dropout masks in the activation dtype on the CPU)
+    "gpt materialized dropout": [*SMALL_GPT, "model.attn_impl=materialized", "model.dropout=0.1"],
+    "gpt sdpa": [*SMALL_GPT, "model.attn_impl=sdpa", "model.dropout=0.0"],
+}
+
+
+@pytest.mark.parametrize("case", list(ACTIVATION_CASES))
+def test_activation_estimate_matches_what_a_forward_saves_for_backward(case: str) -> None:
+    """Saved-for-backward bytes of one micro-batch (saved-tensor hooks and the selective cache, storages
+    counted once, parameters and buffers excluded: plugins/activation_checkpointing/accounting.py)."""
+    from hydra.utils import instantiate
+
+    from plugins.activation_checkpointing.accounting import SavedActivationMeter
+    from trainer.loss import cross_entropy_loss
+
+    cfg = compose(["model=tiny", "trainer.micro_batch_size=4", "trainer.seq_len=128", "trainer.global_batch_size=4",
+                   *ACTIVATION_CASES[case]])
+    torch.manual_seed(0)
+    model = build_model(model_config(cfg))
+    checkpointing = instantiate(cfg.activation_checkpointing)
+    meter = SavedActivationMeter([model])
+    meter.watch(checkpointing)
+    checkpointing.apply(model)
+    with meter:
+        loss = cross_entropy_loss(model(torch.randint(0, 256, (4, 128))), torch.randint(0, 256, (4, 128)))
+    loss.backward()
+    estimate = estimate_activations(inventory(model_config(cfg)), layout_from_config(cfg), 0, "cpu")
+    assert estimate.device == pytest.approx(meter.bytes, rel=0.25)
+    assert estimate.device == pytest.approx(meter.bytes, rel=0.02)  # how close it is today (activations.py)
+
+
+# Small Llama whose sizes split over 2 ranks; one optimizer step per run.
+SMALL = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=96",
+         "trainer.seq_len=16", "trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.max_steps=1",
+         "trainer.val_every=0", "trainer.val_batches=1", "trainer.log_every=1", "data.max_bytes=200000",
+         "callbacks=none", "lr_schedule.warmup_steps=0"]
+MEASURED = {
+    "ddp": ["strategy=ddp"],
+    "zero1": ["strategy=zero1"],
+    "zero2": ["strategy=zero2"],
+    "zero3": ["strategy=zero3"],
+    "tp": ["strategy=tp", "tp=2"],
+    "pp": ["strategy=pp", "pp=2", "strategy.schedule=1f1b"],
+}
+
+
+@pytest.fixture(scope="module")
+def measured_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_strategies import launch_harness
+
+    out = tmp_path_factory.mktemp("planner_runs")
+    runs = [{"name": name, "overrides": SMALL + ["trainer.devices=2"] + overrides}
+            for name, overrides in MEASURED.items()]
+    launch_harness(out, 2, runs)
+    return out / "np2"
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_analytic_and_exact_state_bytes_equal_what_a_run_holds(measured_runs: Path, name: str) -> None:
+    cfg = compose(SMALL + ["trainer.devices=2", "mode=plan"] + MEASURED[name])
+    validate(cfg)
+    layout = layout_from_config(cfg)
+    inv = inventory(model_config(cfg))
+    held = json.loads((measured_runs / name / "summary.json").read_text())["state_bytes_per_rank"]
+    assert len(held) == 2
+    for rank, measured in enumerate(held):
+        analytic = rank_state_bytes(inv, layout, RankCoords.of(rank, layout))
+        exact = exact_state_bytes(cfg, rank)
+        for kind in ("params", "grads", "optimizer"):
+            assert analytic[kind] == pytest.approx(measured[kind], rel=0.01), (name, rank, kind)
+            assert exact[kind] == pytest.approx(measured[kind], rel=0.01), (name, rank, kind)
+
+
+EXACT_LAYOUTS = {
+    "hybrid_shard 2x4": ["strategy=fsdp", "strategy.sharding=hybrid_shard", "strategy.dp_replicate=2"],
+    "3d zero1 tp2 pp2": ["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1"],
+    "3d fsdp tp2 pp2 interleaved": ["strategy=3d", "tp=2", "pp=2", "strategy.schedule=interleaved_1f1b",
+                                    "strategy.virtual_stages=2"],
+    "3d ddp tp4": ["strategy=3d", "tp=4", "strategy.data_parallel=ddp"],
+    "zero3 bf16_true": ["strategy=zero3", "precision=bf16_true"],
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_LAYOUTS))
+def test_exact_mode_agrees_with_the_analytic_counts_on_8_ranks(name: str) -> None:
+    """The tiny Llama as ranks 0 and 7 of 8 (meta device, fake process group): the analytic model's bytes."""
+    cfg = compose(["trainer.devices=8", "trainer.global_batch_size=16", "trainer.micro_batch_size=1", "mode=plan"]
+                  + EXACT_LAYOUTS[name])
+    validate(cfg)
+    layout = layout_from_config(cfg)
+    inv = inventory(model_config(cfg))
+    for rank in (0, 7):
+        analytic = rank_state_bytes(inv, layout, RankCoords.of(rank, layout))
+        exact = exact_state_bytes(cfg, rank)
+        for kind in ("params", "grads", "optimizer"):
+            assert exact[kind] == pytest.approx(analytic[kind], rel=0.01), (name, rank, kind)
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+UNFIT = ["model=llama3_8b", "hardware=h100_80g", "trainer.devices=8", "trainer.seq_len=8192",
+         "trainer.global_batch_size=64", "trainer.micro_batch_size=2", "strategy=ddp", "precision=bf16"]
+
+
+def test_unfit_config_exits_nonzero_says_what_is_short_and_suggests_what_fits(tmp_path: Path) -> None:
+    chart = tmp_path / "memory.png"
+    command = [sys.executable, "-m", "trainer", *UNFIT, "mode=plan", "plan.format=json", "plan.exact=false",
+               "plan.top=3", f"plan.chart={chart}"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "fits: NO" in result.stdout and "short by" in result.stdout
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("num_params", "fits", "bubble_fraction", "flops_per_token", "step_time_s", "mfu"):
+        assert key in data
+    assert set(data["memory_gb"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert data["fits"] is False and data["num_params"] == LLAMA_PARAMS["llama3_8b"]
+    # DDP keeps 16 bytes per parameter on every rank: 128 GB, more than an H100 holds
+    states = data["memory_gb"]["params"] + data["memory_gb"]["grads"] + data["memory_gb"]["optimizer"]
+    assert states == pytest.approx(16 * 8.03, rel=0.01)
+    suggestions = data["suggestions"]
+    assert 1 <= len(suggestions) <= 3
+    assert [s["tokens_per_s"] for s in suggestions] == sorted((s["tokens_per_s"] for s in suggestions), reverse=True)
+    for s in suggestions:
+        assert s["command"].startswith("python -m trainer ") and s["command"] in result.stdout
+        assert "mode=plan" not in s["command"]
+    # the best suggestion, composed from its command line, fits
+    best = compose(suggestions[0]["overrides"] + ["mode=plan"])
+    validate(best)
+    assert plan(best, exact=False, search=False).fits
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fitting_config_reports_exact_beside_analytic_and_searches_on_request() -> None:
+    from trainer.planner.report import format_table
+
+    overrides = ["strategy=zero3", "trainer.devices=4", "trainer.micro_batch_size=2", "mode=plan", "plan.search=true",
+                 "plan.top=2"]
+    cfg = compose(overrides)
+    validate(cfg)
+    result = plan(cfg, overrides=overrides)
+    assert result.fits and result.exact == {k: int(v) for k, v in result.state_bytes.items()}
+    table = format_table(result)
+    assert "fits: yes" in table and "exact" in table
+    assert len(result.suggestions) == 2
+    for suggestion in result.suggestions:
+        assert suggestion.memory_gb * GB <= result.capacity_bytes
+        assert "trainer.devices=4" in suggestion.overrides and "mode=plan" not in suggestion.overrides
+
+
+def test_hardware_configs_agree_with_the_trainers_peak_table() -> None:
+    from trainer.hardware import GPU_PEAK_FLOPS
+
+    for name, key in (("a100_80g", "A100"), ("a100_40g", "A100"), ("h100_80g", "H100"), ("h200", "H200"),
+                      ("rtx3090", "RTX 3090")):
+        node = OmegaConf.load(REPO / "conf" / "hardware" / f"{name}.yaml")
+        hardware = HardwareConfig(**{k: v for k, v in node.items() if k != "defaults"})
+        for dtype, flops in GPU_PEAK_FLOPS[key].items():
+            assert hardware.peak_flops(dtype) == flops, (name, dtype)

@@ -1,0 +1,253 @@
+"""The Hugging Face Llama format: export to (and import from) `config.json` + `model.safetensors`.
+
+Weight names map one to one onto `transformers`' `LlamaForCausalLM`. No reordering of the query/key
+projections is needed: this model's RoPE rotates channel pairs (i, i + head_dim/2), Hugging Face's
+`rotate_half` layout (Meta's original checkpoints pair neighbouring channels, which is what the usual
+conversion scripts permute away).
+
+    python -m trainer.checkpoint.hf export CHECKPOINT_DIR OUT_DIR   # a committed checkpoint -> HF
+
+Import goes through DCP's `HuggingFaceStorageReader`, so the safetensors load straight into whatever
+layout the run uses (FSDP shards, tensor-parallel slices, pipeline stages): `init_from=HF_DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from trainer.checkpoint.manifest import CheckpointError, read_manifest
+from trainer.models.llama import LlamaConfig
+
+if TYPE_CHECKING:
+    from trainer.loop import Trainer
+
+log = logging.getLogger("trainer")
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# Per-layer names: ours -> Hugging Face's (under `model.layers.<i>.`).
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def to_hf_name(name: str) -> str:
+    """Hugging Face's name of one of our Llama weights."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER.match(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise KeyError(f"{name} has no Hugging Face Llama counterpart")
+
+
+def from_hf_name(name: str) -> str:
+    """Our name of a Hugging Face Llama weight."""
+    for ours, theirs in _GLOBAL_NAMES.items():
+        if name == theirs:
+            return ours
+    match = _HF_LAYER.match(name)
+    if match:
+        for ours, theirs in _LAYER_NAMES.items():
+            if match.group(2) == theirs:
+                return f"layers.{match.group(1)}.{ours}"
+    raise KeyError(f"{name} is not a Hugging Face Llama weight this model has")
+
+
+def hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """`config.json` of LlamaForCausalLM for our Llama config."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        # transformers < 5 reads rope_theta, >= 5 rope_parameters
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": config.init_std,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
+    """Our Llama config for a Hugging Face `config.json` (plain RoPE, no biases)."""
+    if hf.get("model_type") not in (None, "llama"):
+        raise CheckpointError(f"model_type={hf.get('model_type')!r}: only Hugging Face Llama models can be imported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"RoPE scaling {rope_type!r} is not implemented by this model (only plain RoPE)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise CheckpointError("Llama variants with attention or MLP biases are not supported")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+        raise CheckpointError(f"head_dim={head_dim} x heads != hidden_size: not supported by this model")
+    return LlamaConfig(
+        name=name,
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads"),
+        ffn_hidden_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def read_hf_config(directory: Path | str) -> LlamaConfig:
+    directory = Path(directory)
+    return llama_config_from_hf(json.loads((directory / CONFIG_FILE).read_text()), name=directory.name)
+
+
+def is_hf_model(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors"))
+
+
+# ---- export -------------------------------------------------------------------------------------------
+def export_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir: Path | str,
+                      dtype: Optional[torch.dtype] = None) -> Path:
+    """Write full (unsharded) weights with our names as a Hugging Face Llama model in `out_dir`."""
+    from safetensors.torch import save_file
+
+    if not isinstance(config, LlamaConfig):
+        raise CheckpointError(f"only Llama models export to the Hugging Face Llama format, not {type(config).__name__}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in state.items():
+        if name == "output.weight" and config.tie_embeddings:
+            continue  # HF ties lm_head to embed_tokens itself
+        tensor = tensor.detach().to("cpu")
+        tensors[to_hf_name(name)] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    saved_dtype = dtype or next(iter(tensors.values())).dtype
+    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(config, saved_dtype), indent=2) + "\n")
+    return out_dir
+
+
+def export_trainer(trainer: "Trainer", out_dir: Path | str, dtype: Optional[torch.dtype] = None) -> Optional[Path]:
+    """Export a running trainer's model (collective: the shards are gathered; rank 0 writes)."""
+    from trainer.checkpoint.state import model_config_dict
+
+    state = trainer.strategy.full_state_dict(trainer.model_parts)
+    saved = model_config_dict(trainer) or {}
+    config = LlamaConfig(**{k: v for k, v in saved.items() if k != "class"}) if saved.get("class") == "LlamaConfig" else None
+    path = None
+    if trainer.is_global_zero:
+        if config is None:
+            raise CheckpointError(f"only Llama models export to the Hugging Face format (this is {saved.get('class')})")
+        path = export_state_dict(state, config, out_dir, dtype)
+    trainer.strategy.barrier()
+    return path
+
+
+def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: Optional[torch.dtype] = None) -> Path:
+    """Convert a committed checkpoint (any strategy, any world size) into a Hugging Face model, on one
+    process: DCP reads every shard into full tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.storage import SafeFileSystemReader, WeightsOnlyLoadPlanner, dcp_call
+    from trainer.models import build_model
+
+    checkpoint = Path(checkpoint)
+    saved = dict(read_manifest(checkpoint).get("model") or {})
+    if saved.pop("class", None) != "LlamaConfig":
+        raise CheckpointError(f"{checkpoint} does not hold a Llama model")
+    config = LlamaConfig(**saved)
+    with torch.device("cpu"):
+        model = build_model(config)
+    state = {f"model.{key}": value for key, value in model.state_dict().items()}
+    with dcp_call():
+        dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    return export_state_dict({key[len("model."):]: value for key, value in state.items()}, config, out_dir, dtype)
+
+
+# ---- import -------------------------------------------------------------------------------------------
+def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
+    """Load a Hugging Face Llama model's weights into the trainer's model parts (collective).
+
+    Each rank reads only the slices its layout holds (DCP's HuggingFaceStorageReader), so this works
+    under every strategy. The model's architecture must match `config.json`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    from trainer.checkpoint.state import architecture_mismatch, load_model_state, model_config_dict, model_state
+    from trainer.checkpoint.storage import dcp_call
+
+    directory = Path(directory)
+    theirs = read_hf_config(directory)
+    problems = architecture_mismatch({"class": "LlamaConfig", **dataclasses.asdict(theirs)},
+                                     model_config_dict(trainer))
+    if problems:
+        raise CheckpointError(f"{directory} holds another architecture than this run's model: " + "; ".join(problems))
+    ours = model_state(trainer.model_parts)
+    # A tied head has no lm_head entry: it reads embed_tokens (a pipeline's last stage holds its own copy).
+    names = {key: to_hf_name("tok_embeddings.weight" if key == "output.weight" and theirs.tie_embeddings else key)
+             for key in ours}
+    template = {hf_name: ours[key] for key, hf_name in names.items()}
+    with dcp_call() as no_dist:
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
+                 no_dist=no_dist)
+    load_model_state(trainer.model_parts, {key: template[hf_name] for key, hf_name in names.items()})
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint.hf",
+                                     description="Convert a checkpoint into a Hugging Face Llama model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="checkpoint directory -> config.json + model.safetensors")
+    export.add_argument("checkpoint", type=Path)
+    export.add_argument("out_dir", type=Path)
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Saving and loading the whole training state with torch.distributed.checkpoint (DCP).
+
+Both functions are collective: every rank of the run calls them with the same path. Each rank writes
+only its own shards (a replicated value is written once); loading reads whatever slices this rank's
+layout needs, so a checkpoint saved under one strategy and world size loads under another.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainer.checkpoint.manifest import (
+    CONFIG,
+    CheckpointCorruptError,
+    CheckpointError,
+    commit,
+    partial_path,
+    read_manifest,
+    verify_files,
+)
+from trainer.checkpoint.state import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    RNG_PREFIX,
+    TRAINER_KEY,
+    architecture_mismatch,
+    initialize_optimizer_state,
+    load_model_state,
+    load_optimizer_state,
+    load_rng_state,
+    load_trainer_state,
+    model_config_dict,
+    model_state,
+    optimizer_entries,
+    optimizer_state,
+    optimizer_template,
+    rng_state,
+    trainer_state,
+)
+from trainer.checkpoint.storage import (
+    SafeFileSystemReader,
+    WeightsOnlyLoadPlanner,
+    dcp_call,
+    pack,
+    read_metadata,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    from trainer.loop import Trainer
+
+log = logging.getLogger("trainer")
+
+
+def _agree(trainer: "Trainer", error: Optional[BaseException]) -> None:
+    """Raise on every rank when any rank failed, so that no rank goes on to a collective the failed one
+    will never join."""
+    failures = trainer.strategy.all_gather_object(None if error is None else str(error))
+    if error is not None:
+        raise error
+    for rank, message in enumerate(failures):
+        if message is not None:
+            raise CheckpointError(f"rank {rank}: {message}")
+
+
+def _manifest(trainer: "Trainer", reason: str, metrics: Optional[dict[str, float]]) -> dict[str, Any]:
+    strategy = trainer.strategy
+    dims = getattr(strategy, "parallel_dims", None)
+    return {
+        "step": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "reason": reason,
+        "world_size": strategy.world_size,
+        "strategy": getattr(strategy, "name", type(strategy).__name__),
+        "parallel_dims": dims.sizes() if dims is not None else {},
+        "metrics": dict(metrics or {}),
+        "model": model_config_dict(trainer),
+    }
+
+
+def _config_yaml(trainer: "Trainer") -> Optional[str]:
+    config = Path(trainer.run_dir) / CONFIG
+    return config.read_text() if config.is_file() else None
+
+
+def collect_state(trainer: "Trainer") -> dict[str, Any]:
+    """The flat DCP state dict of the whole run (see trainer.checkpoint.state); calls on_save_checkpoint."""
+    state: dict[str, Any] = {f"{MODEL_PREFIX}{key}": value for key, value in model_state(trainer.model_parts).items()}
+    entries = optimizer_entries(trainer)
+    state.update(optimizer_state(entries, trainer.optimizer))
+    section = trainer_state(trainer)
+    for callback in trainer.callbacks:
+        callback.on_save_checkpoint(trainer, section)
+    if trainer.strategy.is_global_zero:  # the same everywhere: written from rank 0, read by every rank
+        state[TRAINER_KEY] = pack(section)
+    state[f"{RNG_PREFIX}{trainer.strategy.rank}"] = pack(rng_state())
+    return state
+
+
+class PendingCheckpoint:
+    """An asynchronous save in flight: this rank's shards are being written in a background thread.
+
+    Rank 0 commits the checkpoint (manifest, rename) as soon as its write finishes, which, DCP being
+    collective, is after every rank's. `wait()` blocks until this rank's part (and on rank 0 the commit)
+    is done and raises if the save failed.
+    """
+
+    def __init__(self, future: Future, partial: Path, path: Path, manifest: dict[str, Any],
+                 config_yaml: Optional[str], committer: bool) -> None:
+        self.path = path
+        self.step = int(manifest["step"])
+        self._future = future
+        self._committer = committer
+        self._committed = threading.Event()
+        self._error: Optional[BaseException] = None
+        if committer:
+            future.add_done_callback(lambda done: self._commit(done, partial, manifest, config_yaml))
+
+    def _commit(self, future: Future, partial: Path, manifest: dict[str, Any], config_yaml: Optional[str]) -> None:
+        try:
+            future.result()
+            commit(partial, self.path, manifest, config_yaml)
+        except BaseException as error:  # noqa: BLE001 - reported by wait() in the main thread
+            self._error = error
+        finally:
+            self._committed.set()
+
+    def done(self) -> bool:
+        return self._future.done() and (not self._committer or self._committed.is_set())
+
+    def wait(self) -> Path:
+        try:
+            self._future.result()
+        except BaseException as error:
+            raise CheckpointError(f"asynchronous save of {self.path} failed: {error}") from error
+        if self._committer:
+            self._committed.wait()
+            if self._error is not None:
+                raise CheckpointError(f"committing {self.path} failed: {self._error}") from self._error
+        return self.path
+
+
+def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manual",
+                    metrics: Optional[dict[str, float]] = None, asynchronous: bool = False,
+                    process_group: Any = None) -> Path | PendingCheckpoint:
+    """Save the whole training state to `path` (collective; atomic).
+
+    Every rank writes its shards into a hidden `.partial` sibling; once all have finished, rank 0 writes
+    the manifest and renames the directory to `path`, so `path` only ever exists complete. With
+    `asynchronous`, the state is copied to host memory, written in a background thread over
+    `process_group` (a gloo group other than the training one), and a PendingCheckpoint is returned.
+    """
+    path = Path(path)
+    strategy = trainer.strategy
+    partial = partial_path(path)
+    error: Optional[BaseException] = None
+    if strategy.is_global_zero:
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as failure:
+            error = CheckpointError(f"cannot create {partial}: {failure}")
+    _agree(trainer, error)
+    state = collect_state(trainer)
+    manifest = _manifest(trainer, reason, metrics)
+    config_yaml = _config_yaml(trainer)
+    writer = FileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
+    planner = DefaultSavePlanner()
+    if asynchronous:
+        with dcp_call() as no_dist:
+            response = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
+                                      no_dist=no_dist)
+        future = getattr(response, "upload_completion", response)
+        return PendingCheckpoint(future, partial, path, manifest, config_yaml, strategy.is_global_zero)
+    with dcp_call() as no_dist:
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
+    if strategy.is_global_zero:
+        try:
+            commit(partial, path, manifest, config_yaml)
+        except OSError as failure:
+            error = CheckpointError(f"cannot commit {path}: {failure}")
+    _agree(trainer, error)
+    return path
+
+
+def verify_checkpoint(trainer: "Trainer", path: Path, manifest: dict[str, Any], checksums: bool = True) -> None:
+    """Check every file against the manifest, the work spread over the ranks; raise on every rank."""
+    names = sorted(manifest["files"])
+    rank, world = trainer.strategy.rank, trainer.strategy.world_size
+    error: Optional[BaseException] = None
+    try:
+        verify_files(path, names[rank::world], manifest, checksums=checksums)
+    except CheckpointCorruptError as failure:
+        error = failure
+    failures = trainer.strategy.all_gather_object(None if error is None else str(error))
+    for message in failures:
+        if message is not None:
+            if error is not None:
+                raise error
+            raise CheckpointCorruptError(message, path)
+
+
+def load_checkpoint(trainer: "Trainer", path: Path | str, *, weights_only: bool = False,
+                    verify: bool = True) -> dict[str, Any]:
+    """Restore the training state saved at `path` into `trainer` (collective; reshards as needed).
+
+    Weights and optimizer states load into this run's layout whatever the saving run's strategy and
+    world size; counters, data position, schedule, loss scaler and callback states are restored; the
+    random generators too when the world size is unchanged (each rank its own). `weights_only` loads
+    the model weights alone (a fine-tune starting from a checkpoint). Every file is checked against the
+    manifest first: a damaged checkpoint raises CheckpointCorruptError naming the file, on every rank.
+    Returns the manifest.
+    """
+    path = Path(path)
+    strategy = trainer.strategy
+    manifest = read_manifest(path)
+    problems = architecture_mismatch(manifest.get("model"), model_config_dict(trainer))
+    if problems:
+        raise CheckpointError(f"checkpoint {path} was saved for another model: " + "; ".join(problems))
+    if verify:
+        verify_checkpoint(trainer, path, manifest)
+    saved_keys = set(read_metadata(path).state_dict_metadata)
+
+    # What this rank needs; a problem found by any rank (each holds other weights under pipelining) stops
+    # every rank before the collective load.
+    error: Optional[BaseException] = None
+    state: dict[str, Any] = {f"{MODEL_PREFIX}{key}": value for key, value in model_state(trainer.model_parts).items()}
+    missing = sorted(key[len(MODEL_PREFIX):] for key in state if key not in saved_keys)
+    if missing:
+        error = CheckpointError(f"checkpoint {path} has no weights for {', '.join(missing[:5])}"
+                                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    entries = []
+    if not weights_only and any(key.startswith(OPTIM_PREFIX) for key in saved_keys):
+        initialize_optimizer_state(trainer.optimizer)
+        entries = optimizer_entries(trainer)
+        optimizer_keys = optimizer_template(entries, trainer.optimizer)
+        absent = sorted(key for key in optimizer_keys if key not in saved_keys)
+        if absent and error is None:
+            error = CheckpointError(f"checkpoint {path} lacks optimizer states this run needs, e.g. {absent[0]} "
+                                    "(saved with another optimizer?); start from its weights with init_from instead")
+        state.update(optimizer_keys)
+    _agree(trainer, error)
+    restore_rng = False
+    if not weights_only:
+        state[TRAINER_KEY] = b""
+        rng_key = f"{RNG_PREFIX}{strategy.rank}"
+        restore_rng = manifest.get("world_size") == strategy.world_size and rng_key in saved_keys
+        if restore_rng:
+            state[rng_key] = b""
+
+    try:
+        with dcp_call() as no_dist:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=WeightsOnlyLoadPlanner(),
+                     no_dist=no_dist)
+    except CheckpointException as error:
+        rank, failure = next(iter(error.failures.items()))
+        raise CheckpointError(f"loading checkpoint {path} failed on rank {rank}: {failure}") from None
+
+    load_model_state(trainer.model_parts, {key[len(MODEL_PREFIX):]: value for key, value in state.items()
+                                           if key.startswith(MODEL_PREFIX)})
+    if weights_only:
+        return manifest
+    if entries:
+        load_optimizer_state(entries, trainer.optimizer, state)
+    section = unpack(state[TRAINER_KEY])
+    load_trainer_state(trainer, section)
+    if restore_rng:
+        load_rng_state(unpack(state[f"{RNG_PREFIX}{strategy.rank}"]))
+    elif strategy.is_global_zero:
+        log.info(f"checkpoint saved on {manifest.get('world_size')} ranks, resumed on {strategy.world_size}: "
+                 "random generators keep this run's seeds")
+    for callback in trainer.callbacks:
+        callback.on_load_checkpoint(trainer, section)
+    return manifest

@@ -1,0 +1,315 @@
+"""Activation memory: what the forward keeps for the backward, per layer, per micro-batch in flight.
+
+Reference: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(Table 2). For a GPT layer with materialized attention and dropout, with 16-bit activations and 1-byte
+dropout masks, sequence length s, micro-batch b, hidden size h, a heads, tensor-parallel size t:
+
+    no parallelism                          sbh (34 + 5as/h)
+    tensor parallel                         sbh (10 + 24/t + 5as/(ht))
+    tensor + sequence parallel              sbh/t (34 + 5as/h)
+    selective recompute, tensor parallel    sbh (10 + 24/t)
+    selective recompute, tensor + sequence  34 sbh/t
+    full recompute                          2 sbh          (the layer's input only)
+
+`korthikanti_layer_bytes` is that table. The planner itself counts a list of saved tensors per block
+(`saved_tensors`): for GPT with `attn_impl=materialized` the list is Korthikanti's term by term (so it
+reproduces the table), and for the Llama blocks it is what their forward saves in this code base, measured
+with `torch.autograd.graph.saved_tensors_hooks` (tests/test_planner.py checks the sum against a run):
+
+    RMSNorm (x2)            input, x * rstd (e bytes each), rstd (fp32 per token)       split by SP
+    norm output (x2)        input of wq/wk/wv and of w1/w3 (e)                          not split: TP gathers it
+    fused SDPA              q, k, v, output (e), logsumexp (fp32 per head and token)    split by TP
+    SwiGLU                  w1 x, w3 x, silu(w1 x), their product (e, width ffn_dim)    split by TP
+
+    = e sb (8h + 2 h_kv + 4 f) + 4 abs + 8 sb bytes per layer without parallelism (e = activation bytes:
+      2 under bf16/fp16 autocast, 4 in fp32; no s^2 term: SDPA never materializes the scores).
+
+On the CPU, torch's dropout keeps its masks in the activation dtype (not 1-byte bools) and SDPA with
+dropout takes its math path (the scores exist): the estimate follows the device (`device_type`), and
+measures within 0.3% of the tiny Llama and a small GPT (benchmarks/planner_accuracy.py, tests).
+
+Differences from Korthikanti's accounting for Llama: no dropout masks, SwiGLU's four ffn-wide tensors
+instead of GeLU's two 4h-wide ones, grouped-query k/v, RMSNorm's saved normalized input, and under
+tensor parallelism torch's DTensor keeps the all-gathered input of the column-parallel projections
+(Megatron-LM gathers it again in the backward instead).
+
+Policies (`activation_checkpointing=`): `attention` keeps everything but the attention core's internals
+(Korthikanti's selective recompute); `selective` keeps the block input and the outputs of matmuls and fused
+attention (which include, under tensor parallelism, the partial sums before the reduce-scatter); `full` and
+`every_n` keep the block input of checkpointed blocks; `offload` keeps them all in host memory. Recomputing
+a block materializes its full activations again, one block at a time: `recompute_transient`.
+
+In-flight micro-batches (first pipeline rank, M micro-batches per step, P stages, v virtual stages):
+gpipe M; 1F1B min(M, P - r) on rank r (P on the first); interleaved 1F1B and zero-bubble
+P + (P - 1)/v on the first rank (Narayanan et al. 2021; Korthikanti's factor 1 + (P-1)/(P v)). Without
+pipelining gradient accumulation runs one micro-batch at a time. A pipeline stage also keeps, per
+micro-batch in flight, the input it received and the output it sent (full hidden states, s x b x h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.planner.layout import Layout
+from trainer.planner.memory import RankPart, rank_part
+from trainer.planner.params import ModelInventory
+
+# What a saved tensor's size divides by: always by t (its heads or width are split), by t only with
+# sequence parallelism (norms, residual stream, dropout masks), or never (replicated on the tp ranks).
+TP, SP, FULL = "tp", "sp", "full"
+KEEP_ALL = frozenset({"none", "attention"})
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor saved for the backward, per layer (or per stage end) and per micro-batch."""
+
+    name: str
+    elements: float
+    bytes_per_element: float
+    split: str
+    kept_by: frozenset[str] = KEEP_ALL
+    # Kept by full/every_n checkpointing (the block input).
+    block_input: bool = False
+    # Exists only with tensor parallelism and sequence parallelism (a reduce-scatter output).
+    only_tp_sp: bool = False
+
+    def bytes(self, tp: int, sequence_parallel: bool) -> float:
+        size = self.elements * self.bytes_per_element
+        if self.split == TP or (self.split == SP and sequence_parallel):
+            size /= tp
+        return size
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer, Korthikanti et al. 2022, Table 2 (recompute: none | selective | full)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh
+    if recompute == "selective":
+        return 34 * sbh / t if sequence_parallel else sbh * (10 + 24 / t)
+    if sequence_parallel:
+        return sbh / t * (34 + 5 * a * s / h)
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int = 1,
+                  materialized: bool | None = None) -> list[Saved]:
+    """The tensors one transformer block saves for the backward (per micro-batch of b sequences of s).
+
+    `mask_bytes`: bytes per element of a dropout mask: 1 on CUDA (bool masks, Korthikanti's assumption);
+    torch's CPU dropout keeps its mask in the activation dtype. `materialized` (default: the model's
+    `attn_impl`): whether the attention scores exist, as in SDPA's math path, which the CPU takes for
+    attention with dropout.
+    """
+    if materialized is None:
+        materialized = inv.attn_impl == "materialized"
+    h, f, a = inv.dim, inv.ffn_dim, inv.n_heads
+    sb = s * b
+    selective = frozenset({"none", "attention", "selective"})
+    if inv.family == "gpt" and materialized:
+        mask = 1 if inv.dropout > 0 else 0  # no dropout, no masks (and the softmax output feeds x V itself)
+        asb = a * s * s * b
+        return [
+            Saved("layernorm 1 input", sb * h, e, SP, selective, block_input=True),
+            Saved("qkv projection input", sb * h, e, SP),
+            Saved("q, k (for QK^T)", 2 * sb * h, e, TP),
+            Saved("softmax output", asb, e, TP, frozenset({"none"})),
+            Saved("attention dropout mask", asb * mask, mask_bytes, TP, frozenset({"none"})),
+            Saved("attention dropout output", asb * mask, e, TP, frozenset({"none"})),
+            Saved("v (for attention x V)", sb * h, e, TP),
+            Saved("output projection input", sb * h, e, TP),
+            Saved("attention dropout mask (residual)", sb * h * mask, mask_bytes, SP),
+            Saved("layernorm 2 input", sb * h, e, SP),
+            Saved("fc1 input", sb * h, e, SP),
+            Saved("gelu input", sb * f, e, TP),
+            Saved("fc2 input", sb * f, e, TP),
+            Saved("mlp dropout mask", sb * h * mask, mask_bytes, SP),
+            # op-level selective: the outputs of the matmuls (kept instead of what they feed)
+            Saved("qkv matmul output", 3 * sb * h, e, TP, frozenset({"selective"})),
+            Saved("QK^T output", asb, e, TP, frozenset({"selective"})),
+            Saved("attention x V output", sb * h, e, TP, frozenset({"selective"})),
+            Saved("output projection output", sb * h, e, FULL, frozenset({"selective"})),
+            Saved("fc1 output", sb * f, e, TP, frozenset({"selective"})),
+            Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
+        ]
+    if inv.family == "gpt":  # fused SDPA: q, k, v, output and logsumexp instead of the scores
+        mask = 1 if inv.dropout > 0 else 0
+        return [
+            Saved("layernorm 1 input", sb * h, e, SP, selective, block_input=True),
+            Saved("qkv projection input", sb * h, e, SP),
+            Saved("q, k, v, attention output", 4 * sb * h, e, TP, selective),
+            Saved("attention logsumexp", a * sb, 4, TP, selective),
+            Saved("attention dropout mask (residual)", sb * h * mask, mask_bytes, SP),
+            Saved("layernorm 2 input", sb * h, e, SP),
+            Saved("fc1 input", sb * h, e, SP),
+            Saved("gelu input", sb * f, e, TP),
+            Saved("fc2 input", sb * f, e, TP),
+            Saved("mlp dropout mask", sb * h * mask, mask_bytes, SP),
+            Saved("qkv matmul output", 3 * sb * h, e, TP, frozenset({"selective"})),
+            Saved("output projection output", sb * h, e, FULL, frozenset({"selective"})),
+            Saved("fc1 output", sb * f, e, TP, frozenset({"selective"})),
+            Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
+        ]
+    q, kv = inv.attention_dim, inv.kv_dim
+    return [
+        Saved("attention_norm input (block input)", sb * h, e, SP, selective, block_input=True),
+        Saved("attention_norm x*rstd", sb * h, e, SP),
+        Saved("attention_norm rstd", sb, 4, SP),
+        Saved("wq/wk/wv input (gathered norm output)", sb * h, e, FULL),
+        Saved("q after RoPE", sb * q, e, TP),
+        Saved("k, v after RoPE", 2 * sb * kv, e, TP),
+        Saved("attention output (wo input)", sb * q, e, TP, selective),
+        Saved("attention logsumexp", a * sb, 4, TP, frozenset({"none", "selective"})),
+        Saved("ffn_norm input", sb * h, e, SP),
+        Saved("ffn_norm x*rstd", sb * h, e, SP),
+        Saved("ffn_norm rstd", sb, 4, SP),
+        Saved("w1/w3 input (gathered norm output)", sb * h, e, FULL),
+        Saved("w1 x, w3 x", 2 * sb * f, e, TP, selective),
+        Saved("silu(w1 x), product (w2 input)", 2 * sb * f, e, TP),
+        # op-level selective: matmul outputs kept in place of what is recomputed from them
+        Saved("wq/wk/wv outputs (before RoPE)", sb * (q + 2 * kv), e, TP, frozenset({"selective"})),
+        Saved("wo, w2 outputs (partial sums under TP)", 2 * sb * h, e, FULL, frozenset({"selective"})),
+        Saved("wo, w2 reduce-scatter outputs", 2 * sb * h, e, SP, frozenset({"selective"}), only_tp_sp=True),
+    ]
+
+
+def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_parallel: bool) -> list[Saved]:
+    """What the last stage keeps beyond its blocks: final norm, output head input, fp32 log-probabilities
+    (the loss runs in fp32: `trainer.loss.cross_entropy_loss`)."""
+    sb, h = s * b, inv.dim
+    norm = [Saved("final norm input", sb * h, e, SP)]
+    if inv.family == "llama":
+        norm += [Saved("final norm x*rstd", sb * h, e, SP), Saved("final norm rstd", sb, 4, SP)]
+    return norm + [
+        Saved("output head input", sb * h, e, FULL if inv.family == "llama" else SP),
+        Saved("log-softmax (fp32)", sb * inv.vocab_size, 4, TP if loss_parallel else FULL),
+    ]
+
+
+def embedding_saved_tensors(inv: ModelInventory, s: int, b: int, mask_bytes: int = 1) -> list[Saved]:
+    """What the first stage keeps beyond its blocks: the embedding dropout mask (GPT with dropout)."""
+    if inv.family == "gpt" and inv.dropout > 0:
+        return [Saved("embedding dropout mask", s * b * inv.dim, mask_bytes, SP)]
+    return []
+
+
+def layer_bytes(tensors: list[Saved], policy: str, tp: int, sequence_parallel: bool) -> float:
+    """Bytes one layer keeps under a checkpointing policy (none, attention, selective, full)."""
+    total = 0.0
+    for tensor in tensors:
+        if tensor.only_tp_sp and not (tp > 1 and sequence_parallel):
+            continue
+        kept = tensor.block_input if policy == "full" else policy in tensor.kept_by
+        if kept:
+            total += tensor.bytes(tp, sequence_parallel)
+    return total
+
+
+def in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of all its layers."""
+    m, p, v = layout.num_microbatches, layout.pp, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "1f1b":
+        return float(min(m, p - pp_rank))
+    # looped schedules: (v-1) p + 2 (p - 1 - r) warm-up forward chunks, each 1/v of the rank's layers
+    chunks = (v - 1) * p + 2 * (p - 1 - pp_rank) + 1
+    return min(float(m), chunks / v)
+
+
+def checkpointed_layers(layout: Layout, inv: ModelInventory, pp_rank: int) -> int:
+    """Blocks of this rank that every_n/full checkpoint (every_n: global layers n-1, 2n-1, ...)."""
+    part = rank_part(inv, layout, pp_rank)
+    if layout.checkpointing == "full":
+        return part.layers
+    if layout.checkpointing != "every_n":
+        return 0
+    from trainer.planner.memory import stage_layers
+
+    counts = stage_layers(inv, layout)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    stages = [pp_rank + v * layout.pp for v in range(layout.virtual_stages)] if layout.pp > 1 else [0]
+    n = max(1, layout.checkpoint_every_n)
+    return sum(1 for st in stages for i in range(starts[st], starts[st] + counts[st]) if (i + 1) % n == 0)
+
+
+@dataclass
+class ActivationEstimate:
+    """Activation memory of one rank at its peak (bytes) and how it was obtained."""
+
+    per_layer_none: float  # one layer, one micro-batch, nothing recomputed
+    per_layer_kept: float  # one layer, one micro-batch, under the policy
+    layers: int
+    checkpointed: int
+    in_flight: float
+    blocks: float  # all layers x in-flight micro-batches
+    first_stage: float
+    last_stage: float
+    boundaries: float  # pipeline stage inputs received and outputs sent, kept for their backward
+    device: float  # held in device memory
+    host: float  # held in host memory (activation offload)
+    recompute_transient: float  # one block's activations rebuilt during its backward
+    logits_transient: float  # logits, their fp32 copy and gradient on the last stage
+    notes: list[str] = field(default_factory=list)
+
+
+def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
+                         device_type: str = "cuda") -> ActivationEstimate:
+    """Activation memory of pipeline rank `pp_rank` (every rank without pipelining)."""
+    s, b, e, t, sp = layout.seq_len, layout.micro_batch_size, layout.compute_bytes, layout.tp, layout.sequence_parallel
+    sp = sp and t > 1
+    mask_bytes = 1 if device_type == "cuda" else e
+    materialized = inv.attn_impl == "materialized" or (inv.dropout > 0 and device_type == "cpu")
+    tensors = saved_tensors(inv, s, b, e, mask_bytes, materialized)
+    policy = layout.checkpointing
+    none = layer_bytes(tensors, "none", t, sp)
+    part: RankPart = rank_part(inv, layout, pp_rank)
+    in_flight = in_flight_microbatches(layout, pp_rank)
+    checkpointed = checkpointed_layers(layout, inv, pp_rank)
+    if policy in ("full", "every_n"):
+        kept = layer_bytes(tensors, "full", t, sp)
+        per_step_layers = checkpointed * kept + (part.layers - checkpointed) * none
+        per_layer = per_step_layers / max(part.layers, 1)
+    elif policy in ("attention", "selective"):
+        per_layer = layer_bytes(tensors, policy, t, sp)
+    else:
+        per_layer = none
+    blocks = per_layer * part.layers * in_flight
+    first = 0.0
+    if part.first:
+        first = in_flight * sum(x.bytes(t, sp) for x in embedding_saved_tensors(inv, s, b, mask_bytes))
+    head_in_flight = float(layout.num_microbatches) if (layout.pp > 1 and layout.schedule == "gpipe") else 1.0
+    last = 0.0
+    logits = 0.0
+    if part.last:
+        last = head_in_flight * sum(x.bytes(t, sp) for x in head_saved_tensors(inv, s, b, e, layout.loss_parallel))
+        vocab = inv.vocab_size / (t if layout.loss_parallel else 1)
+        # logits (e) and their fp32 copy in the forward; fp32 and e-byte gradients in the backward
+        logits = s * b * vocab * (e + 4)
+    recompute = 0.0
+    if checkpointed or policy in ("attention", "selective"):
+        recompute = none - (layer_bytes(tensors, "full", t, sp) if policy in ("full", "every_n") else per_layer)
+    boundaries = 0.0
+    if layout.pp > 1:
+        # a stage keeps each in-flight micro-batch's received input and produced output (full hidden states,
+        # the same on every tp rank) until that micro-batch's backward
+        ends = sum(1 for _ in part.stage_layers) * 2 - (1 if part.first else 0) - (1 if part.last else 0)
+        boundaries = ends * s * b * inv.dim * e * in_flight / len(part.stage_layers)
+    device = blocks + first + last + boundaries
+    host = 0.0
+    notes = []
+    if policy == "offload":
+        if device_type == "cpu":
+            notes.append("activation offload: already in host memory on the CPU, nothing moves")
+        else:
+            host, device = device, none  # one block's activations in flight to or from the host
+    return ActivationEstimate(
+        per_layer_none=none, per_layer_kept=per_layer, layers=part.layers, checkpointed=checkpointed,
+        in_flight=in_flight, blocks=blocks, first_stage=first, last_stage=last, boundaries=boundaries,
+        device=device, host=host,
+        recompute_transient=max(recompute, 0.0), logits_transient=logits, notes=notes,
+    )

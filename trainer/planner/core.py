@@ -1,0 +1,363 @@
+"""`plan(cfg) -> Plan`: memory per rank, communication, step time and fit of a composed config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.planner.activations import ActivationEstimate, estimate_activations
+from trainer.planner.communication import Collective, step_collectives
+from trainer.planner.hardware import HardwareConfig
+from trainer.planner.layout import Layout, layout_from_config, model_config
+from trainer.planner.memory import (
+    GB,
+    RankCoords,
+    bytes_per_param,
+    describe_convention,
+    rank_numel,
+    rank_part,
+    rank_state_bytes,
+)
+from trainer.planner.params import ModelInventory, inventory
+from trainer.planner.timing import Timing, estimate_time
+
+# Sizes the JSON line reports under memory_gb, in this order.
+MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "temporaries", "total")
+
+
+@dataclass
+class PlanOptions:
+    """The `plan.*` options the estimate itself depends on (the rest concern the report)."""
+
+    headroom: float = 0.1
+    matmul_efficiency: float = 0.6
+    rank: Optional[int] = None
+
+    @staticmethod
+    def of(cfg: DictConfig) -> PlanOptions:
+        node = cfg.get("plan", None)
+        if node is None:
+            return PlanOptions()
+        return PlanOptions(headroom=float(node.headroom), matmul_efficiency=float(node.matmul_efficiency),
+                           rank=node.rank)
+
+
+@dataclass
+class RankEstimate:
+    """Everything estimated for one rank."""
+
+    rank: int
+    coords: RankCoords
+    state: dict[str, float]  # params, grads, optimizer bytes this rank holds (device or host)
+    activations: ActivationEstimate
+    temporaries: dict[str, float]  # named transient buffers at the forward/backward peak
+    step_temporaries: dict[str, float]  # named transient buffers during the optimizer step
+    device: dict[str, float]  # device-resident bytes: params, grads, optimizer, activations, temporaries, total
+    host: float  # host-resident bytes of this rank (offloaded states and activations)
+    collectives: list[Collective]
+    timing: Timing
+
+
+def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
+                acts: ActivationEstimate) -> tuple[dict[str, float], dict[str, float]]:
+    """Transient buffers at the forward/backward peak and during the optimizer step (bytes)."""
+    full, shard = rank_numel(inv, layout, coords)
+    part = rank_part(inv, layout, coords.pp)
+    fb: dict[str, float] = {}
+    if acts.recompute_transient:
+        fb["recomputed block"] = acts.recompute_transient
+    if acts.logits_transient:
+        fb["logits and their gradient"] = acts.logits_transient
+    if layout.fsdp:
+        layer_numel = sum(p.numel for p in inv.layer) / layout.tp
+        root = full - part.layers * layer_numel
+        if layout.reshard_after_forward:
+            gathered = (1 + layout.prefetch_blocks) * layer_numel + root
+        else:  # zero2 keeps every gathered block through the backward
+            gathered = full
+        fb["gathered parameters"] = gathered * layout.unsharded_param_bytes
+        # a block's gradients are computed unsharded (compute dtype), then cast for the reduce-scatter
+        grads = layer_numel if part.layers else root
+        fb["unsharded gradients of a block"] = grads * (layout.unsharded_param_bytes + layout.reduce_bytes)
+    elif layout.strategy == "3d" and layout.dp > 1:
+        # torch's `replicate` (3d's ddp/zero1 flavours) gathers each block's compute copy (FSDP2's machinery,
+        # a world of one shard) and keeps it from the forward to the end of the backward
+        fb["replicated parameters gathered for compute"] = full * layout.unsharded_param_bytes
+    elif layout.autocast:
+        # autocast's cast of every weight is saved by its matmul for the backward; each pipeline forward
+        # runs in its own autocast region, so every in-flight micro-batch holds its own copy
+        copies = acts.in_flight if layout.pp > 1 else 1.0
+        fb["autocast weight copies"] = full * layout.compute_bytes * copies
+    step: dict[str, float] = {}
+    optimizer_numel = full if layout.dp_flavour in ("none", "ddp") else shard
+    if layout.optimizer_states:
+        # foreach AdamW/SGD builds intermediates the size of the moments (e.g. sqrt of exp_avg_sq)
+        step["optimizer intermediates"] = optimizer_numel * layout.optimizer_state_bytes
+    if layout.dp_flavour == "zero1":
+        step["ZeRO-1 all-gather buffers"] = (full + shard) * layout.param_bytes
+    return fb, step
+
+
+def estimate_rank(inv: ModelInventory, layout: Layout, hardware: HardwareConfig, coords: RankCoords,
+                  options: PlanOptions) -> RankEstimate:
+    state = rank_state_bytes(inv, layout, coords)
+    acts = estimate_activations(inv, layout, coords.pp, hardware.device_type)
+    fb, step = temporaries(inv, layout, coords, acts)
+    offloaded = layout.offload and hardware.device_type != "cpu"
+    device_state = {k: (0.0 if offloaded else v) for k, v in state.items()}
+    host = (sum(state.values()) if offloaded else 0.0) + acts.host
+    if offloaded:
+        step = {}  # the optimizer steps on the host
+    device_temporaries = max(acts.device + sum(fb.values()), sum(step.values())) - acts.device
+    device = {**device_state, "activations": acts.device, "temporaries": device_temporaries}
+    device["total"] = sum(device.values())
+    collectives = step_collectives(inv, layout, coords, hardware)
+    timing = estimate_time(inv, layout, coords, hardware, collectives, options.matmul_efficiency)
+    return RankEstimate(rank=coords.rank(layout), coords=coords, state=state, activations=acts, temporaries=fb,
+                        step_temporaries=step, device=device, host=host, collectives=collectives, timing=timing)
+
+
+def ranks_to_estimate(inv: ModelInventory, layout: Layout) -> list[RankCoords]:
+    """The pipeline positions that can hold the most: the first (most micro-batches in flight, the
+    embedding), the second (the most in flight among ranks without the embedding), the last (the head and
+    its logits) and the one with the most layers. Data- and tensor-parallel peers hold the same, within
+    the padding of uneven shards."""
+    if layout.pp <= 4:
+        return [RankCoords(pp=r) for r in range(layout.pp)]
+    most = max(range(layout.pp), key=lambda r: rank_part(inv, layout, r).layers)
+    return [RankCoords(pp=r) for r in sorted({0, 1, layout.pp - 1, most})]
+
+
+def usable_bytes(hardware: HardwareConfig, headroom: float) -> float:
+    """Device memory the estimate may fill: capacity less what is reserved, less the headroom."""
+    return (hardware.memory_gb - hardware.reserved_gb) * GB * (1 - headroom)
+
+
+def host_bytes_per_rank(hardware: HardwareConfig, headroom: float) -> float:
+    return hardware.host_memory_gb * GB * (1 - headroom) / hardware.devices_per_node
+
+
+@dataclass
+class Suggestion:
+    """A configuration the search found to fit and validated: the full override list that runs it."""
+
+    overrides: list[str]  # the command line: the plan's own overrides, with the search's changes
+    changes: list[str]  # what the search set (strategy, sizes, policy, micro-batch)
+    description: str
+    memory_gb: float  # device memory of its most loaded rank
+    memory: dict[str, float]  # that rank's device bytes: MEMORY_FIELDS
+    capacity_bytes: float
+    tokens_per_s: float
+    mfu: float
+    step_time_s: float
+
+    @property
+    def command(self) -> str:
+        return " ".join(["python -m trainer", *self.overrides])
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one configuration. `to_json()` documents every field (docs/ARCHITECTURE.md)."""
+
+    model: str
+    num_params: int
+    hardware: str
+    world_size: int
+    strategy: str
+    dp: int
+    tp: int
+    pp: int
+    dp_flavour: str
+    checkpointing: str
+    precision: str
+    micro_batch_size: int
+    num_microbatches: int
+    rank: int  # the rank reported (the one with the highest device memory, or plan.rank)
+    memory: dict[str, float]  # bytes, MEMORY_FIELDS of `rank`
+    state_bytes: dict[str, float]  # params, grads, optimizer this rank holds wherever they live
+    host_bytes: float
+    capacity_bytes: float  # usable device memory (after reserved memory and headroom)
+    host_capacity_bytes: float
+    fits: bool
+    shortfall: list[str]  # what is short, in words
+    bubble_fraction: float
+    flops_per_token: float
+    flops_per_step: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    convention: str
+    activation_formula: str
+    per_rank_total: dict[int, float]  # device bytes of each pipeline position's rank
+    details: dict[str, Any]  # temporaries, activation terms, step time parts
+    communication: list[dict[str, Any]]
+    exact: Optional[dict[str, int]] = None  # params/grads/optimizer bytes counted on the meta device
+    exact_error: Optional[str] = None
+    warnings: list[str] = field(default_factory=list)
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    def memory_gb(self) -> dict[str, float]:
+        return {k: self.memory[k] / GB for k in MEMORY_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure, with memory in GB (1e9 bytes) under `memory_gb`."""
+        data = asdict(self)
+        data.pop("memory")
+        data["memory_gb"] = {**self.memory_gb(), "host": self.host_bytes / GB,
+                             "capacity": self.capacity_bytes / GB}
+        data["per_rank_total_gb"] = {str(k): v / GB for k, v in self.per_rank_total.items()}
+        data.pop("per_rank_total")
+        data["suggestions"] = [asdict(s) | {"command": s.command} for s in self.suggestions]
+        return data
+
+    def to_json(self) -> str:
+        """One line of JSON (see `to_dict`)."""
+        return json.dumps(self.to_dict(), default=str, separators=(",", ":"))
+
+
+def evaluate(inv: ModelInventory, layout: Layout, hardware: HardwareConfig, options: PlanOptions) -> list[RankEstimate]:
+    """Estimates of every pipeline position's rank (one rank without pipelining)."""
+    return [estimate_rank(inv, layout, hardware, coords, options) for coords in ranks_to_estimate(inv, layout)]
+
+
+def fits(estimates: list[RankEstimate], hardware: HardwareConfig, options: PlanOptions) -> tuple[bool, list[str]]:
+    usable = usable_bytes(hardware, options.headroom)
+    host_usable = host_bytes_per_rank(hardware, options.headroom)
+    short = []
+    worst = max(estimates, key=lambda e: e.device["total"])
+    if worst.device["total"] > usable:
+        short.append(f"device memory on rank {worst.rank}: needs {worst.device['total'] / GB:.2f} GB, "
+                     f"{usable / GB:.2f} GB usable of {hardware.memory_gb:g} GB ({hardware.reserved_gb:g} GB "
+                     f"reserved, {options.headroom:.0%} headroom): short by "
+                     f"{(worst.device['total'] - usable) / GB:.2f} GB")
+    host_worst = max(estimates, key=lambda e: e.host)
+    if host_worst.host > host_usable:
+        short.append(f"host memory for rank {host_worst.rank}: needs {host_worst.host / GB:.2f} GB, its share of the "
+                     f"node's {hardware.host_memory_gb:g} GB is {host_usable / GB:.2f} GB usable")
+    return not short, short
+
+
+def hardware_from_config(cfg: DictConfig) -> HardwareConfig:
+    node = cfg.get("hardware", None)
+    if node is None:
+        return HardwareConfig()
+    values = OmegaConf.to_container(node, resolve=True)
+    return HardwareConfig(**{k: v for k, v in values.items() if not k.startswith("_")})  # type: ignore[union-attr]
+
+
+def runnable_warnings(cfg: DictConfig, layout: Layout) -> list[str]:
+    """What would stop `mode=train` on this config that the plan does not depend on."""
+    from trainer.config import strategy_class
+
+    warnings = []
+    check_tp = getattr(strategy_class(cfg), "check_tensor_parallel", None)
+    if check_tp is not None and layout.tp > 1:
+        try:
+            check_tp(model_config(cfg), layout.tp, layout.seq_len, layout.sequence_parallel)
+        except ValueError as error:
+            warnings.append(f"cannot run as configured: {error}")
+    return warnings
+
+
+def plan(cfg: DictConfig, *, exact: Optional[bool] = None, search: Optional[bool] = None,
+         overrides: Optional[list[str]] = None) -> Plan:
+    """The plan of a composed, validated config.
+
+    `exact` and `search` left as None follow `plan.exact` and `plan.search` for a `mode=plan` config, and
+    are off otherwise: a caller that only asks whether a training config fits (the sweep's
+    `sweep.skip_unfit`) gets the analytic answer in milliseconds. With `search` (always, in `mode=plan`,
+    when the config does not fit) `suggestions` holds the best configurations that fit the same world
+    size and hardware; `overrides` (the command line that composed `cfg`) is what their commands start
+    from and what they are validated with (default: Hydra's record of the command line, or the model,
+    batch, precision and hardware values of `cfg`).
+    """
+    options = PlanOptions.of(cfg)
+    node = cfg.get("plan", None)
+    planning = node is not None and cfg.get("mode", "train") == "plan"
+    if exact is None:
+        exact = planning and bool(node.exact)
+    top = int(node.top) if node is not None else 5
+    hardware = hardware_from_config(cfg)
+    layout = layout_from_config(cfg)
+    inv = inventory(model_config(cfg))
+    estimates = evaluate(inv, layout, hardware, options)
+    if options.rank is not None:
+        coords = RankCoords.of(int(options.rank), layout)
+        chosen = estimate_rank(inv, layout, hardware, coords, options)
+    else:
+        chosen = max(estimates, key=lambda e: e.device["total"])
+    ok, short = fits(estimates, hardware, options)
+    result = build_plan(cfg, inv, layout, hardware, options, chosen, estimates, ok, short)
+    result.warnings += runnable_warnings(cfg, layout)
+    if exact:
+        from trainer.planner.exact import ExactUnavailable, exact_state_bytes
+
+        try:
+            result.exact = exact_state_bytes(cfg, chosen.rank)
+        except ExactUnavailable as error:
+            result.exact_error = str(error)
+    if search is None:
+        search = planning and (bool(node.search) or not ok)
+    if search:
+        from trainer.planner.search import search_configurations
+
+        result.suggestions = search_configurations(cfg, inv, layout, hardware, options, top=top,
+                                                   base_overrides=overrides)
+    return result
+
+
+def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: HardwareConfig, options: PlanOptions,
+               chosen: RankEstimate, estimates: list[RankEstimate], ok: bool, short: list[str]) -> Plan:
+    t = chosen.timing
+    a = chosen.activations
+    details = {
+        "temporaries": chosen.temporaries,
+        "optimizer_step_temporaries": chosen.step_temporaries,
+        "activations": {
+            "per_layer_none_bytes": a.per_layer_none, "per_layer_kept_bytes": a.per_layer_kept,
+            "layers": a.layers, "checkpointed_layers": a.checkpointed, "in_flight_microbatches": a.in_flight,
+            "blocks_bytes": a.blocks, "first_stage_bytes": a.first_stage, "last_stage_bytes": a.last_stage,
+            "pipeline_boundary_bytes": a.boundaries,
+            "notes": a.notes,
+        },
+        "time": {"compute_s": t.compute_s, "bubble_s": t.bubble_s, "exposed_communication_s": t.exposed_comm_s,
+                 "optimizer_s": t.optimizer_s, "offload_s": t.offload_s,
+                 "recompute_flops_per_step": t.recompute_flops_per_step},
+        "bytes_per_param": asdict(bytes_per_param(layout)),
+        "matmul_efficiency": options.matmul_efficiency,
+        "headroom": options.headroom,
+    }
+    return Plan(
+        model=str(cfg.model.name), num_params=inv.num_params(), hardware=hardware.name, world_size=layout.world_size,
+        strategy=layout.strategy, dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_flavour=layout.dp_flavour,
+        checkpointing=layout.checkpointing, precision=layout.precision, micro_batch_size=layout.micro_batch_size,
+        num_microbatches=layout.num_microbatches, rank=chosen.rank,
+        memory=dict(chosen.device), state_bytes=dict(chosen.state), host_bytes=chosen.host,
+        capacity_bytes=usable_bytes(hardware, options.headroom),
+        host_capacity_bytes=host_bytes_per_rank(hardware, options.headroom),
+        fits=ok, shortfall=short, bubble_fraction=t.bubble_fraction, flops_per_token=t.flops_per_token,
+        flops_per_step=t.flops_per_step, step_time_s=t.step_time_s, tokens_per_s=t.tokens_per_s, mfu=t.mfu,
+        convention=describe_convention(layout), activation_formula=activation_formula(inv, layout),
+        per_rank_total={e.rank: e.device["total"] for e in estimates}, details=details,
+        communication=[{"dimension": c.dimension, "op": c.op, "group_size": c.group_size, "count": c.count,
+                        "payload_bytes": c.payload_bytes, "sent_bytes": c.sent_bytes, "time_s": c.time_s,
+                        "spans_nodes": c.spans_nodes} for c in chosen.collectives],
+        warnings=list(chosen.activations.notes),
+    )
+
+
+def activation_formula(inv: ModelInventory, layout: Layout) -> str:
+    """The per-layer formula used, in words (see trainer/planner/activations.py)."""
+    if inv.family == "gpt" and inv.attn_impl == "materialized":
+        base = "Korthikanti et al. 2022 Table 2: sbh(34 + 5as/h) per layer (16-bit), /t with TP+SP"
+    elif inv.family == "gpt":
+        base = "GPT with fused SDPA: Korthikanti's 34sbh without the 5as^2b scores (q,k,v,out + logsumexp kept)"
+    else:
+        base = ("Llama block with SDPA and SwiGLU: e*sb*(8h + 2h_kv + 4f) + 4abs + 8sb bytes per layer "
+                "(e = activation bytes), TP splits heads/ffn, SP splits norms")
+    schedule = layout.schedule if layout.pp > 1 else "(no pipeline)"
+    return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}"

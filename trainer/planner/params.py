@@ -1,0 +1,173 @@
+"""Analytic parameter inventory of the model families: every weight's shape and how it is split.
+
+The planner never builds a model to count: it lists each parameter of the Llama and GPT blocks with its
+shape and its tensor-parallel split (the layout of `plugins/strategies/tensor_parallel.py`), so that the
+bytes a rank holds follow from the parallel sizes alone, for any model size. Tests check the totals
+against the real modules (`CausalLM.num_params`) and against the published Llama parameter counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Where a parameter lives in the model, which decides the pipeline stage that holds it.
+EMBEDDING = "embedding"  # first stage
+LAYER = "layer"  # the stage that holds its block
+HEAD = "head"  # last stage (final norm and output head)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor: its global shape and the dimension tensor parallelism splits (None: replicated)."""
+
+    name: str
+    shape: tuple[int, ...]
+    # 0: column-parallel (output rows split) or vocab-parallel rows; 1: row-parallel (input columns split).
+    tp_dim: Optional[int]
+    # Takes part in a matmul (counted by the model FLOPs: every nn.Linear weight).
+    matmul: bool = False
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape of one tensor-parallel rank's shard (tp must divide the split dimension)."""
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class ModelInventory:
+    """Every parameter of a model, grouped by where it lives, plus the sizes the other estimates need."""
+
+    family: str  # "llama" or "gpt"
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    tied: bool
+    # GPT only: attention implementation and dropout (Korthikanti's accounting needs both).
+    attn_impl: str
+    dropout: float
+    embedding: tuple[ParamSpec, ...]
+    layer: tuple[ParamSpec, ...]  # one transformer block (all blocks are alike)
+    head: tuple[ParamSpec, ...]  # final norm, output head (empty head weight when tied)
+
+    @property
+    def attention_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer_numel(self) -> int:
+        return sum(p.numel for p in self.layer)
+
+    def num_params(self) -> int:
+        """All parameters, tied weights once (what `CausalLM.num_params()` counts)."""
+        return (sum(p.numel for p in self.embedding) + self.n_layers * self.layer_numel()
+                + sum(p.numel for p in self.head))
+
+    def num_matmul_params(self) -> int:
+        """Weights of every Linear (the output head counts even when tied: it is still a matmul)."""
+        head = sum(p.numel for p in self.head if p.matmul)
+        if self.tied:
+            head += self.vocab_size * self.dim
+        return self.n_layers * sum(p.numel for p in self.layer if p.matmul) + head
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, Narayanan et al. 2021's convention (as `CausalLM.flops_per_token`):
+        6 x matmul weights + 12 x layers x seq_len x attention width (QK^T and attention x V, forward
+        and backward, not halved for causality)."""
+        return 6 * self.num_matmul_params() + 12 * self.n_layers * seq_len * self.attention_dim
+
+    def block_forward_flops_per_token(self, seq_len: int) -> int:
+        """Forward FLOPs of one transformer block per token (what a full recompute runs again)."""
+        return 2 * sum(p.numel for p in self.layer if p.matmul) + 4 * seq_len * self.attention_dim
+
+    def attention_core_forward_flops_per_token(self, seq_len: int) -> int:
+        """Forward FLOPs of one block's attention core (QK^T and attention x V) per token."""
+        return 4 * seq_len * self.attention_dim
+
+
+def _llama_inventory(cfg: Any) -> ModelInventory:
+    h, f, v = cfg.dim, cfg.hidden_dim, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = (
+        ParamSpec("attention_norm.weight", (h,), None),
+        ParamSpec("attention.wq.weight", (q, h), 0, True),
+        ParamSpec("attention.wk.weight", (kv, h), 0, True),
+        ParamSpec("attention.wv.weight", (kv, h), 0, True),
+        ParamSpec("attention.wo.weight", (h, q), 1, True),
+        ParamSpec("ffn_norm.weight", (h,), None),
+        ParamSpec("feed_forward.w1.weight", (f, h), 0, True),
+        ParamSpec("feed_forward.w2.weight", (h, f), 1, True),
+        ParamSpec("feed_forward.w3.weight", (f, h), 0, True),
+    )
+    head = [ParamSpec("norm.weight", (h,), None)]
+    if not cfg.tie_embeddings:
+        head.append(ParamSpec("output.weight", (v, h), 0, True))
+    return ModelInventory(
+        family="llama", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, ffn_dim=f, vocab_size=v, tied=cfg.tie_embeddings, attn_impl="sdpa", dropout=0.0,
+        embedding=(ParamSpec("tok_embeddings.weight", (v, h), 0),), layer=layer, head=tuple(head),
+    )
+
+
+def _gpt_inventory(cfg: Any) -> ModelInventory:
+    h, f, v = cfg.dim, cfg.hidden_dim, cfg.vocab_size
+    # Tensor-parallel splits as Megatron-LM lays GPT out (the planner's figures for GPT with tp > 1 are
+    # Megatron's; this trainer's tp strategy splits the Llama family only).
+    layer = [ParamSpec("attention_norm.weight", (h,), None)]
+    if cfg.bias:
+        layer.append(ParamSpec("attention_norm.bias", (h,), None))
+    layer.append(ParamSpec("attention.wqkv.weight", (3 * h, h), 0, True))
+    if cfg.bias:
+        layer.append(ParamSpec("attention.wqkv.bias", (3 * h,), 0))
+    layer.append(ParamSpec("attention.wo.weight", (h, h), 1, True))
+    if cfg.bias:
+        layer.append(ParamSpec("attention.wo.bias", (h,), None))
+    layer.append(ParamSpec("ffn_norm.weight", (h,), None))
+    if cfg.bias:
+        layer.append(ParamSpec("ffn_norm.bias", (h,), None))
+    layer.append(ParamSpec("feed_forward.w1.weight", (f, h), 0, True))
+    if cfg.bias:
+        layer.append(ParamSpec("feed_forward.w1.bias", (f,), 0))
+    layer.append(ParamSpec("feed_forward.w2.weight", (h, f), 1, True))
+    if cfg.bias:
+        layer.append(ParamSpec("feed_forward.w2.bias", (h,), None))
+    head = [ParamSpec("norm.weight", (h,), None)]
+    if cfg.bias:
+        head.append(ParamSpec("norm.bias", (h,), None))
+    if not cfg.tie_embeddings:
+        head.append(ParamSpec("output.weight", (v, h), 0, True))
+    embedding = (ParamSpec("tok_embeddings.weight", (v, h), 0),
+                 ParamSpec("pos_embeddings.weight", (cfg.max_seq_len, h), None))
+    return ModelInventory(
+        family="gpt", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+        head_dim=cfg.head_dim, ffn_dim=f, vocab_size=v, tied=cfg.tie_embeddings, attn_impl=cfg.attn_impl,
+        dropout=cfg.dropout, embedding=embedding, layer=tuple(layer), head=tuple(head),
+    )
+
+
+def inventory(model_cfg: Any) -> ModelInventory:
+    """The inventory of a model config dataclass (`LlamaConfig` or `GPTConfig`)."""
+    from trainer.models import GPTConfig, LlamaConfig
+
+    if isinstance(model_cfg, LlamaConfig):
+        return _llama_inventory(model_cfg)
+    if isinstance(model_cfg, GPTConfig):
+        return _gpt_inventory(model_cfg)
+    raise TypeError(f"the planner knows the llama and gpt families, not {type(model_cfg).__name__}")

@@ -1,0 +1,223 @@
+"""`plan.search=true`: enumerate the ways to run the same model and batch on the same machines.
+
+The space, for the configured world size W, hardware and global batch:
+- tp: divisors of W up to the devices per node that split the model (heads, kv heads, ffn width,
+  vocabulary and, with sequence parallelism, the sequence; the Llama family only, as the tp strategy);
+- pp: divisors of W / tp up to the number of layers, with at least pp micro-batches per step;
+- dp = W / (tp pp), dividing the global batch; its flavour ddp, zero1, zero2, zero3, and zero3 with CPU
+  offload on GPUs;
+- pipeline schedule: 1F1B, and interleaved 1F1B with 2 virtual stages where the layers allow;
+- activation checkpointing: none, attention, selective, every_n (n=2), full;
+- micro-batch: powers of two dividing the per-rank batch.
+
+Each candidate is estimated analytically (no model is built), those that do not fit are dropped, the rest
+ranked by estimated tokens/s (ties: less memory). The best are checked by composing and validating their
+overrides exactly as `python -m trainer` would, and only valid ones are returned, with the command line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Iterator
+
+from omegaconf import DictConfig
+
+from trainer.planner.core import PlanOptions, RankEstimate, Suggestion, evaluate, fits, usable_bytes
+from trainer.planner.hardware import HardwareConfig
+from trainer.planner.layout import Layout
+from trainer.planner.memory import GB
+from trainer.planner.params import ModelInventory
+
+log = logging.getLogger("trainer")
+FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload")
+POLICIES = ("none", "attention", "selective", "every_n", "full")
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(inv: ModelInventory, tp: int, seq_len: int) -> bool:
+    if tp == 1:
+        return True
+    if inv.family != "llama":
+        return False  # the tp strategy splits separate q/k/v projections (plugins/strategies/tensor_parallel.py)
+    sizes = (inv.n_heads, inv.n_kv_heads, inv.ffn_dim, inv.vocab_size, seq_len)
+    return all(size % tp == 0 for size in sizes)
+
+
+def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfig) -> Iterator[Layout]:
+    world, batch = base.world_size, base.global_batch_size
+    for tp in _divisors(world):
+        if tp > hardware.devices_per_node or not _tp_ok(inv, tp, base.seq_len):
+            continue
+        for pp in _divisors(world // tp):
+            if pp > inv.n_layers:
+                continue
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            flavours = FLAVOURS if dp > 1 else ("none",)
+            schedules: list[tuple[str, int]] = [("1f1b", 1)]
+            if pp > 1 and inv.n_layers >= 2 * pp:
+                schedules.append(("interleaved_1f1b", 2))
+            if pp == 1:
+                schedules = [(base.schedule, 1)]
+            for flavour, (schedule, virtual), policy, micro in itertools.product(flavours, schedules, POLICIES,
+                                                                                 MICRO_BATCHES):
+                if (batch // dp) % micro:
+                    continue
+                m = batch // (dp * micro)
+                if pp > 1 and m < pp:
+                    continue
+                if schedule == "interleaved_1f1b" and m % max(1, m // pp):
+                    continue
+                offload = flavour == "zero3_offload"
+                if offload and hardware.device_type == "cpu":
+                    continue
+                dp_flavour = "zero3" if offload else flavour
+                yield base.replace(
+                    dp_replicate=dp if dp_flavour in ("ddp", "zero1") else 1,
+                    dp_shard=dp if dp_flavour in ("zero2", "zero3") else 1,
+                    tp=tp, pp=pp, dp_flavour=dp_flavour, offload=offload,
+                    reshard_after_forward=dp_flavour != "zero2", schedule=schedule, virtual_stages=virtual,
+                    layers_per_stage=None, checkpointing=policy, checkpoint_every_n=2 if policy == "every_n" else 1,
+                    micro_batch_size=micro, strategy=_strategy_name(dp_flavour, dp, tp, pp),
+                    comm_hook="none",
+                )
+
+
+def _strategy_name(flavour: str, dp: int, tp: int, pp: int) -> str:
+    if tp == 1 and pp == 1:
+        return flavour if dp > 1 else "single"
+    if dp == 1 and (tp == 1 or pp == 1):
+        return "tp" if pp == 1 else "pp"
+    return "3d"
+
+
+def layout_overrides(layout: Layout) -> list[str]:
+    """The command-line overrides that select `layout` (strategy, sizes, policy, micro-batch).
+
+    Every option the search varies is set explicitly, so that values a recipe put into the strategy node
+    (its sharding, offload, schedule...) cannot leak into the suggested strategy.
+    """
+    out = [f"strategy={layout.strategy}", f"tp={layout.tp}", f"pp={layout.pp}"]
+    if layout.strategy in ("zero2", "zero3"):
+        out.append(f"strategy.sharding={'shard_grad_op' if layout.strategy == 'zero2' else 'full_shard'}")
+    if layout.strategy == "3d":
+        out.append(f"strategy.data_parallel={layout.dp_flavour if layout.dp_flavour != 'none' else 'fsdp'}")
+    if layout.strategy in ("pp", "3d"):
+        out += [f"strategy.schedule={layout.schedule}", f"strategy.virtual_stages={layout.virtual_stages}"]
+    if layout.strategy in ("ddp", "zero1", "zero2", "zero3", "3d"):
+        flag = str(layout.offload).lower()
+        out += [f"strategy.offload_params={flag}", f"strategy.offload_optimizer={flag}"]
+    out.append(f"activation_checkpointing={layout.checkpointing}")
+    if layout.checkpointing == "every_n":
+        out.append(f"activation_checkpointing.n={layout.checkpoint_every_n}")
+    out.append(f"trainer.micro_batch_size={layout.micro_batch_size}")
+    return out
+
+
+def describe(layout: Layout) -> str:
+    parts = [f"dp={layout.dp} ({layout.dp_flavour}{', offload' if layout.offload else ''})", f"tp={layout.tp}",
+             f"pp={layout.pp}"]
+    if layout.pp > 1:
+        parts.append(f"{layout.schedule}{f' v={layout.virtual_stages}' if layout.virtual_stages > 1 else ''}")
+    every = f"({layout.checkpoint_every_n})" if layout.checkpointing == "every_n" else ""
+    parts.append(f"ckpt={layout.checkpointing}{every}")
+    parts.append(f"mb={layout.micro_batch_size}")
+    return " ".join(parts)
+
+
+def rank_candidates(inv: ModelInventory, base: Layout, hardware: HardwareConfig,
+                    options: PlanOptions) -> list[tuple[Layout, list[RankEstimate]]]:
+    """Every candidate that fits, best estimated throughput first."""
+    fitting = []
+    for layout in candidate_layouts(inv, base, hardware):
+        estimates = evaluate(inv, layout, hardware, options)
+        ok, _ = fits(estimates, hardware, options)
+        if ok:
+            fitting.append((layout, estimates))
+    fitting.sort(key=lambda item: (-item[1][0].timing.tokens_per_s, max(e.device["total"] for e in item[1])))
+    return fitting
+
+
+def _validates(cfg: DictConfig, overrides: list[str], base_overrides: list[str]) -> bool:
+    from trainer.config import compose, validate
+
+    try:
+        # validated as a plan: the checks that concern the planned machine, not this one
+        candidate = compose(base_overrides + overrides + ["mode=plan"])
+        validate(candidate)
+    except Exception as error:  # noqa: BLE001 - any failure means the candidate cannot be used as is
+        log.debug(f"search: {' '.join(overrides)} does not validate: {error}")
+        return False
+    return True
+
+
+def search_configurations(cfg: DictConfig, inv: ModelInventory, base: Layout, hardware: HardwareConfig,
+                          options: PlanOptions, top: int = 5,
+                          base_overrides: list[str] | None = None) -> list[Suggestion]:
+    """The `top` best configurations that fit and validate."""
+    if base_overrides is None:
+        base_overrides = config_overrides(cfg)
+    suggestions: list[Suggestion] = []
+    seen: set[tuple[str, ...]] = set()
+    for layout, estimates in rank_candidates(inv, base, hardware, options):
+        overrides = layout_overrides(layout)
+        key = tuple(overrides)
+        if key in seen:
+            continue
+        seen.add(key)
+        kept = [o for o in base_overrides if not _replaced(o, overrides)]
+        if not _validates(cfg, overrides, kept):
+            continue
+        worst = max(estimates, key=lambda e: e.device["total"])
+        t = estimates[0].timing
+        suggestions.append(Suggestion(overrides=kept + overrides, changes=overrides, description=describe(layout),
+                                      memory_gb=worst.device["total"] / GB, memory=dict(worst.device),
+                                      capacity_bytes=usable_bytes(hardware, options.headroom),
+                                      tokens_per_s=t.tokens_per_s,
+                                      mfu=t.mfu, step_time_s=t.step_time_s))
+        if len(suggestions) == top:
+            break
+    return suggestions
+
+
+def _replaced(override: str, overrides: list[str]) -> bool:
+    """Whether a base override gives way to the search's: same key, a sub-key of a group the search picks
+    again (the new option's node replaces the old one), or the plan's own options."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if key in keys or key in ("mode", "dp") or key.startswith("plan."):
+        return True
+    return key.startswith("strategy.") or key.startswith("activation_checkpointing.")
+
+
+def config_overrides(cfg: DictConfig) -> list[str]:
+    """The choices that recreate `cfg`'s model, batch, hardware and precision (what the search keeps fixed):
+    taken from Hydra's record of the command line when there is one, else from the config's values."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return [o for o in HydraConfig.get().overrides.task if not o.startswith(("mode=", "plan."))]
+    return _value_overrides(cfg)
+
+
+def _value_overrides(cfg: DictConfig) -> list[str]:
+    t = cfg.trainer
+    values: dict[str, Any] = {
+        "model": cfg.model.name, "precision": _choice(cfg.precision), "hardware": cfg.hardware.name,
+        "trainer.devices": t.devices, "trainer.num_nodes": t.num_nodes, "trainer.seq_len": t.seq_len,
+        "trainer.global_batch_size": t.global_batch_size,
+    }
+    return [f"{k}={v}" for k, v in values.items() if v is not None]
+
+
+def _choice(node: DictConfig) -> str:
+    """The option name of a group node, from its `_target_` class's `name`."""
+    from hydra.utils import get_class
+
+    return str(getattr(get_class(node._target_), "name", "fp32"))

@@ -1,0 +1,122 @@
+"""Model FLOPs, pipeline bubble, step time, throughput and MFU.
+
+Model FLOPs per token (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", section 5.1, and `CausalLM.flops_per_token`):
+
+    6 x (matmul weights, output head included) + 12 x layers x seq_len x attention width
+
+which for a GPT-3-style model is the paper's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per step of B
+sequences. MFU counts these model FLOPs only; recomputation is extra hardware work in the step time
+(full: one more forward of the checkpointed blocks, Narayanan's 96 instead of 72; attention: the attention
+core's forward again).
+
+Step time = per-rank compute / (peak x `plan.matmul_efficiency`), stretched by the pipeline bubble, plus
+the communication that cannot hide behind compute, plus the optimizer step (memory-bound) and offload
+traffic:
+- bubble: (P - 1) / (M + P - 1) for gpipe and 1F1B, (P - 1) / (v M + P - 1) for interleaved 1F1B; the
+  zero-bubble schedule is counted at a third of interleaved 1F1B's bubble (Qi et al. 2024's ZB-H1 figure;
+  an estimate: its real bubble depends on the backward split);
+- tensor-parallel and pipeline traffic is on the critical path (counted in full); DDP's all-reduce hides
+  behind the last micro-batch's backward, FSDP's per micro-batch traffic behind that micro-batch's
+  compute, whatever exceeds it is exposed; ZeRO-1's parameter all-gather follows the step (exposed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.planner.communication import Collective
+from trainer.planner.hardware import HardwareConfig
+from trainer.planner.layout import Layout
+from trainer.planner.memory import RankCoords, rank_numel
+from trainer.planner.params import ModelInventory
+
+
+def recomputed_layers(inv: ModelInventory, layout: Layout) -> int:
+    """Blocks of the model whose whole forward runs again in the backward (full: all; every_n: layers
+    n-1, 2n-1, ...)."""
+    if layout.checkpointing == "full":
+        return inv.n_layers
+    if layout.checkpointing == "every_n":
+        return inv.n_layers // max(1, layout.checkpoint_every_n)
+    return 0
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """Fraction of a step the pipeline's ranks idle (0 without pipelining)."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    if p == 1:
+        return 0.0
+    if layout.schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    bubble = (p - 1) / v
+    if layout.schedule == "zero_bubble":
+        bubble /= 3
+    return bubble / (m + bubble)
+
+
+@dataclass
+class Timing:
+    """Per-step time of one rank and the throughput it implies."""
+
+    flops_per_token: float  # model FLOPs (Narayanan), no recomputation
+    flops_per_step: float  # model FLOPs of one optimizer step, all ranks
+    recompute_flops_per_step: float  # extra hardware FLOPs of recomputation, all ranks
+    compute_s: float  # this rank's matmuls, without bubble
+    bubble_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    offload_s: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+
+
+def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardware: HardwareConfig,
+                  collectives: list[Collective], matmul_efficiency: float) -> Timing:
+    tokens = layout.global_batch_size * layout.seq_len
+    per_token = inv.flops_per_token(layout.seq_len)
+    model_flops = per_token * tokens
+    extra_per_token = recomputed_layers(inv, layout) * inv.block_forward_flops_per_token(layout.seq_len)
+    if layout.checkpointing == "attention":
+        extra_per_token = inv.n_layers * inv.attention_core_forward_flops_per_token(layout.seq_len)
+    recompute_flops = extra_per_token * tokens
+    peak = hardware.peak_flops(layout.compute_dtype)
+    compute = (model_flops + recompute_flops) / layout.world_size / (peak * matmul_efficiency)
+    bubble = bubble_fraction(layout)
+    bubble_s = compute * bubble / (1 - bubble) if bubble < 1 else 0.0
+    m = layout.num_microbatches
+    per_microbatch = compute / m
+    # on the critical path: tensor- and pipeline-parallel traffic, ZeRO-1's gather after the step
+    zero1_gather = [c for c in collectives if c.op == "all-gather" and layout.dp_flavour == "zero1"]
+    exposed = sum(c.time_s for c in collectives if c.dimension in ("tp", "pp")) + sum(c.time_s for c in zero1_gather)
+    dp_time = sum(c.time_s for c in collectives if c.dimension == "dp" and c not in zero1_gather)
+    if layout.fsdp:
+        exposed += max(0.0, dp_time - compute) if m == 1 else m * max(0.0, dp_time / m - per_microbatch)
+    else:
+        exposed += max(0.0, dp_time - per_microbatch * 2 / 3)  # behind the last backward (2/3 of its compute)
+    full, shard = rank_numel(inv, layout, coords)
+    optimizer_numel = shard if layout.dp_flavour != "ddp" and layout.dp_flavour != "none" else full
+    # AdamW reads params, grads and both moments and writes params and moments (7 tensors of the step's
+    # numel), in the parameters' dtype
+    touched = optimizer_numel * (3 + 2 * layout.optimizer_states) * layout.param_bytes
+    offload = 0.0
+    if layout.offload and hardware.device_type != "cpu":
+        host_bw = hardware.host_memory_bandwidth_gbps * 1e9 / hardware.devices_per_node
+        optimizer = touched / host_bw
+        # every gather copies the shards to the device, every reduce-scatter copies gradient shards back
+        gathers = 2 if layout.reshard_after_forward else 1
+        link = hardware.host_to_device_bandwidth_gbps * 1e9
+        offload = m * shard * (gathers * layout.param_bytes + layout.reduce_bytes) / link
+    else:
+        optimizer = touched / (hardware.memory_bandwidth_gbps * 1e9)
+    step = compute + bubble_s + exposed + optimizer + offload
+    tokens_per_s = tokens / step
+    return Timing(
+        flops_per_token=per_token, flops_per_step=model_flops, recompute_flops_per_step=recompute_flops,
+        compute_s=compute, bubble_s=bubble_s, exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload,
+        step_time_s=step, tokens_per_s=tokens_per_s,
+        mfu=per_token * tokens_per_s / (layout.world_size * peak), bubble_fraction=bubble,
+    )
+
