@@ -81,3 +81,32 @@ def test_comm_every_must_not_be_negative() -> None:
 
     with pytest.raises(ConfigError, match="callbacks.throughput: comm_every must be >= 0"):
         validate(compose(TINY + ["callbacks.throughput.comm_every=-1"]))
+
+
+def test_throughput_monitor_survives_a_rollback_to_an_earlier_step() -> None:
+    """A rollback (the loss-spike stabilizer) restores an earlier step and train time: the interval
+    restarts there instead of failing on counters that went backwards."""
+    from types import SimpleNamespace
+
+    from plugins.callbacks.monitors import ThroughputMonitor
+
+    logged: list[dict[str, float]] = []
+    trainer = SimpleNamespace(step=0, train_time_s=0.0, tokens_seen=0, peak_flops=1e9, flops_per_token=100,
+                              config=SimpleNamespace(seq_len=4), strategy=SimpleNamespace(world_size=1),
+                              is_global_zero=True, step_timings={"data_s": 0.1, "forward_backward_s": 0.5,
+                                                                 "optimizer_s": 0.4})
+    trainer.log = logged.append
+    monitor = ThroughputMonitor()
+    monitor.on_fit_start(trainer)
+
+    def step(to: int, train_time: float) -> None:
+        trainer.step, trainer.train_time_s, trainer.tokens_seen = to, train_time, to * 8
+        trainer.logged_metrics = {"step": to, "train_loss": 1.0}
+        monitor.on_train_batch_end(trainer, {})
+
+    step(1, 1.0)
+    step(2, 2.0)
+    step(1, 1.0)  # rolled back to the checkpoint of step 1
+    step(2, 1.5)
+    assert [row.get("samples_per_s") for row in logged] == [2.0, 2.0, None, 4.0]
+    assert logged[-1]["flops_per_s"] == 8 * 100 / 0.5 and logged[2]["forward_backward_s"] == 0.5
