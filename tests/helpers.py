@@ -164,3 +164,28 @@ class InjectOverflow(Callback):
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, f"overflow_rank{trainer.strategy.rank}.json"), "w") as f:
             json.dump(self.rows, f)
+
+
+class RecordReplicated(Callback):
+    """At the end of training, save this rank's local copy of every replicated DTensor parameter and the
+    random stream of every module that has one to `<directory>/replicated_rank<R>.pt`, so a test can
+    check that tensor-parallel ranks kept their replicated weights identical."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer: Any) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        replicated, streams = {}, {}
+        for part in trainer.model_parts:
+            for name, p in part.named_parameters():
+                if isinstance(p, DTensor) and all(placement.is_replicate() for placement in p.placements):
+                    replicated[name] = p.to_local().detach().clone()
+            for name, module in part.named_modules():
+                if hasattr(module, "rng_stream"):
+                    streams[name] = module.rng_stream
+        os.makedirs(self.directory, exist_ok=True)
+        torch.save({"replicated": replicated, "streams": streams},
+                   os.path.join(self.directory, f"replicated_rank{trainer.strategy.rank}.pt"))

@@ -137,7 +137,8 @@ INVALID = [
     (["strategy=tp", "tp=4", "trainer.devices=4", "model.n_kv_heads=2"],
      "tp: cannot split model tiny over tp=4 ranks: model.n_kv_heads=2 (key/value heads) is not divisible by tp=4"),
     (["strategy=tp", "tp=2", "trainer.devices=2", "model=gpt2_small"],
-     "tp: tensor parallelism supports the llama family only; model gpt2_small"),
+     "tp: cannot split model gpt2_small over tp=2 ranks: model.vocab_size=50257 (vocabulary rows) is not divisible "
+     "by tp=2 (pad it: model.vocab_size=50432, a multiple of 128 x tp)"),
     (["strategy=tp", "tp=2", "trainer.devices=4"], "strategy=tp has no data parallelism, so tp x pp = 2 x 1 = 2"),
     # pipeline parallelism (plugins/strategies/pipeline.py)
     (["strategy=pp"], "strategy: strategy=pp needs pp >= 2 pipeline stages, got pp=1: set pp=2 trainer.devices=2"),

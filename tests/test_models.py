@@ -407,3 +407,52 @@ def test_sdpa_flop_formula_ignores_causality() -> None:
     # Full, non-causal cost (2*s*s*d per head for each of QK^T and PV), GQA heads broadcast.
     full = 2 * (2 * b * heads * s * s * d)
     assert formula((b, heads, s, d), (b, kv_heads, s, d), (b, kv_heads, s, d)) == full
+
+
+# ---- random streams for tensor-parallel dropout ---------------------------------------------------------
+def _mask(stream: int) -> torch.Tensor:
+    from trainer.models.common import StreamDropout
+
+    dropout = StreamDropout(0.5)
+    dropout.rng_stream = stream
+    return dropout(torch.ones(64)) == 0
+
+
+def test_rng_stream_0_is_the_shared_generator_and_others_differ_but_advance_it_alike() -> None:
+    torch.manual_seed(3)
+    plain = F.dropout(torch.ones(64), 0.5) == 0
+    torch.manual_seed(3)
+    assert torch.equal(_mask(0), plain)
+    masks, states = {}, {}
+    for stream in (1, 2):
+        torch.manual_seed(3)
+        masks[stream] = _mask(stream)
+        states[stream] = torch.get_rng_state()
+    assert not torch.equal(masks[1], masks[2])
+    assert not torch.equal(masks[1], plain) and not torch.equal(masks[2], plain)
+    # every tp rank leaves the shared generator in the same state, whatever its stream
+    assert torch.equal(states[1], states[2])
+    torch.manual_seed(3)
+    assert torch.equal(_mask(1), masks[1])
+
+
+@pytest.mark.parametrize("attn_impl", ["materialized", "sdpa"])
+def test_a_recompute_replays_the_dropout_of_a_rank_stream(attn_impl: str) -> None:
+    """Activation checkpointing restores the shared generator before recomputing: the per-rank stream's seed
+    is drawn from it, so the recomputed mask (and so every gradient) is the one of the forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    config = GPTConfig(vocab_size=64, max_seq_len=16, dim=32, n_layers=1, n_heads=2, dropout=0.3, attn_impl=attn_impl)
+    torch.manual_seed(0)
+    block = GPT(config).layers["0"]
+    for module in block.modules():
+        if hasattr(module, "rng_stream"):
+            module.rng_stream = 2
+    x = torch.randn(2, 16, 32)
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        grads.append(torch.autograd.grad(out.square().sum(), list(block.parameters())))
+    for plain, recomputed in zip(*grads):
+        assert torch.equal(plain, recomputed)

@@ -72,15 +72,18 @@ def test_planner_says_each_recipe_fits_its_target_hardware(name: str) -> None:
 # else as the recipe says (strategy, data-parallel flavour, precision, checkpointing, schedule, offload). The
 # 3d recipes keep one of their dimensions at 2, chosen so that the set covers tensor parallelism with sequence
 # parallelism, interleaved pipelines and sharded or replicated data parallelism.
-TINY = ["model=tiny", "model.name=tiny", "model.n_layers=4", "model.vocab_size=256", "model.dim=64", "model.n_heads=4",
-        "model.n_kv_heads=2", "model.ffn_hidden_dim=128", "trainer.devices=2", "trainer.num_nodes=1",
+TINY_LLAMA = ["model=tiny", "model.name=tiny", "model.n_kv_heads=2"]
+# GPT-3 stays GPT (fused head-major qkv, biases, learned positions, dropout 0.1), shrunk in place.
+TINY_GPT = ["model.name=tiny_gpt", "model.max_seq_len=16"]
+TINY = ["model.n_layers=4", "model.vocab_size=256", "model.dim=64", "model.n_heads=4",
+        "model.ffn_hidden_dim=128", "trainer.devices=2", "trainer.num_nodes=1",
         "trainer.seq_len=16", "trainer.micro_batch_size=1", "trainer.global_batch_size=8", "trainer.max_steps=2",
         "trainer.val_every=0", "trainer.val_batches=1", "trainer.log_every=1", "data.max_bytes=200000",
         "lr_schedule.warmup_steps=1", "callbacks=none", "init_from=null"]
 SCALED = {
     "llama2_70b_64xh100": ["tp=2"],  # tensor + sequence parallel
     "llama3_70b_64xh100": ["tp=1"],  # FSDP over 2 data-parallel ranks
-    "gpt3_175b_256xa100": ["tp=1", "pp=1"],  # replicated data parallelism with ZeRO-1 states, bf16_true masters
+    "gpt3_175b_256xa100": ["tp=2", "pp=1"],  # GPT blocks under tensor + sequence parallelism, bf16_true masters
     "llama3_405b_1024xh100": ["tp=1", "pp=2"],  # interleaved 1F1B, 2 virtual stages per rank
     "tiny_3d_cpu": ["tp=1", "pp=2"],  # 1F1B
 }
@@ -91,7 +94,8 @@ def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.test_strategies import launch_harness
 
     out = tmp_path_factory.mktemp("recipes")
-    runs = [{"name": name, "overrides": [f"recipe={name}", *TINY, *SCALED.get(name, [])]} for name in RECIPES]
+    runs = [{"name": name, "overrides": [f"recipe={name}", *(TINY_GPT if name.startswith("gpt") else TINY_LLAMA), *TINY,
+                                         *SCALED.get(name, [])]} for name in RECIPES]
     launch_harness(out, 2, runs)
     return out / "np2"
 
@@ -106,3 +110,4 @@ def test_each_recipe_shrunk_to_a_tiny_model_trains_2_steps_on_2_cpu_processes(ti
     for group in ("precision", "activation_checkpointing"):  # the recipe's choices were the ones run
         assert f"_target_: {recipe[group]._target_}" in config, (name, group)
     assert f"_target_: {recipe.strategy._target_}" in config
+    assert f"_target_: {recipe.model._target_}" in config  # the recipe's model family (GPT stays GPT)

@@ -2,8 +2,11 @@
 
 Parity (fp32, same global batch and seed, 10 steps, every step logged): per-step losses and global
 gradient norms within rtol 1e-4 and final full weights within atol 1e-4, for tp=2 and tp=4, with and
-without sequence parallelism and loss parallelism, and with tied embeddings. Each world size is one
-torchrun launch (tests/distributed_harness.py); the reference runs in this process.
+without sequence parallelism and loss parallelism, and with tied embeddings; for GPT (fused head-major
+qkv, biases, learned positions, tied head) with and without sequence parallelism. GPT with dropout
+cannot match a single process mask for mask; there the replicated weights must stay identical on both
+ranks and the split dropouts must have per-rank streams. Each world size is one torchrun launch
+(tests/distributed_harness.py); the references run in this process.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.micro_batc
         "trainer.log_every=1", "trainer.val_every=5", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
         "data.max_bytes=200000", "callbacks=none", "trainer.peak_flops=1e12"]
 TIED = ["model.tie_embeddings=true"]
+# GPT-2's architecture at the same size (4 heads of 16), tied head, biases; dropout off unless asked.
+GPT = ["model=gpt2_small", "model.vocab_size=256", "model.max_seq_len=32", "model.dim=64", "model.n_layers=2",
+       "model.n_heads=4", "model.ffn_hidden_dim=128", "model.dropout=0.0"]
+DROPOUT = GPT + ["model.dropout=0.1", "model.attn_impl=materialized"]
+REPLICATED = ["+callbacks.replicated._target_=tests.helpers.RecordReplicated"]
 RUNS = {  # name: (strategy overrides, model overrides); batched by world size
     2: {
         "tp": ([], []),
@@ -37,11 +45,17 @@ RUNS = {  # name: (strategy overrides, model overrides); batched by world size
         "no_loss_parallel": (["strategy.loss_parallel=false"], []),
         "tied": ([], TIED),
         "sharded_init": (["strategy.init=sharded"], []),
+        "gpt": ([], GPT),
+        "gpt_no_sequence_parallel": (["strategy.sequence_parallel=false"], GPT),
+        "gpt_dropout": ([], DROPOUT),
+        "gpt_dropout_no_sequence_parallel": (["strategy.sequence_parallel=false"], DROPOUT),
     },
     4: {"tp": ([], [])},
 }
 # checked against the single-process run (sharded init draws other weights on the CPU)
-PARITY = [(2, "tp"), (2, "no_sequence_parallel"), (2, "no_loss_parallel"), (2, "tied"), (4, "tp")]
+PARITY = [(2, "tp"), (2, "no_sequence_parallel"), (2, "no_loss_parallel"), (2, "tied"), (4, "tp"), (2, "gpt"),
+          (2, "gpt_no_sequence_parallel")]
+REFERENCE = {"tied": "single_tied", "gpt": "single_gpt", "gpt_no_sequence_parallel": "single_gpt"}
 
 
 def column(run_dir: Path, name: str) -> list[float]:
@@ -49,8 +63,13 @@ def column(run_dir: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
 
 
+def model_overrides(model: list[str]) -> list[str]:
+    """The Llama MODEL with `model` on top, or `model` alone when it picks another model config."""
+    return model if model[:1] == ["model=gpt2_small"] else MODEL + model
+
+
 def reference(out: Path, name: str, model: list[str]) -> None:
-    trainer = build_trainer(compose(MODEL + model + LOOP), out / name)
+    trainer = build_trainer(compose(model_overrides(model) + LOOP), out / name)
     trainer.fit()
     torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / name / "weights.pt")
 
@@ -60,19 +79,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tensor_parallel")
     for nproc, named in RUNS.items():
         launch_harness(out, nproc, [
-            {"name": name, "overrides": MODEL + model + LOOP + strategy
-             + ["strategy=tp", f"tp={nproc}", f"trainer.devices={nproc}"]}
+            {"name": name, "overrides": model_overrides(model) + LOOP + strategy
+             + ["strategy=tp", f"tp={nproc}", f"trainer.devices={nproc}"]
+             + (REPLICATED + [f"+callbacks.replicated.directory={out / name}"] if "dropout" in name else [])}
             for name, (strategy, model) in named.items()
         ])
     reference(out, "single", [])
     reference(out, "single_tied", TIED)
+    reference(out, "single_gpt", GPT)
     return out
 
 
 @pytest.mark.parametrize(("nproc", "name"), PARITY, ids=[f"tp{n}-{s}" for n, s in PARITY])
 def test_losses_grad_norms_and_weights_match_single_process(runs: Path, nproc: int, name: str) -> None:
     run_dir = runs / f"np{nproc}" / name
-    single = runs / ("single_tied" if name == "tied" else "single")
+    single = runs / REFERENCE.get(name, "single")
     expected = column(single, "train_loss")
     assert len(expected) == 10
     # one row per step: the loss is replicated over the tp ranks and logged once (rank 0)
@@ -114,3 +135,21 @@ def test_sharded_init_trains_with_distinct_heads_on_each_rank(runs: Path) -> Non
         dim = 1 if key.endswith("w2.weight") else 0
         first, second = weights[key].chunk(2, dim=dim)
         assert not torch.allclose(first, second, atol=1e-3), key
+
+
+@pytest.mark.parametrize("name", ["gpt_dropout", "gpt_dropout_no_sequence_parallel"])
+def test_gpt_dropout_keeps_replicas_equal_and_draws_split_masks_per_rank(runs: Path, name: str) -> None:
+    """Replicated activations must see the same dropout mask on every tp rank (else the replicated weights
+    drift apart); split ones (each rank's heads; sequence shards) their own stream per rank."""
+    losses = column(runs / "np2" / name, "train_loss")
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3
+    ranks = [torch.load(runs / name / f"replicated_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    replicated = ranks[0]["replicated"]
+    assert {"layers.0.attention_norm.weight", "layers.0.attention.wo.bias", "pos_embeddings.weight"} <= set(replicated)
+    for key, value in replicated.items():
+        assert torch.equal(value, ranks[1]["replicated"][key]), key
+    sequence_parallel = name == "gpt_dropout"
+    for rank, recorded in enumerate(ranks):
+        streams = recorded["streams"]
+        assert streams["layers.1.attention.core_attention"] == rank + 1
+        assert streams["layers.1.dropout"] == streams["emb_dropout"] == (rank + 1 if sequence_parallel else 0)

@@ -1,4 +1,6 @@
-"""3D parallelism (pp=2 x dp=2 x tp=2 on 8 gloo processes) against the single-process run."""
+"""3D parallelism (pp=2 x dp=2 x tp=2 on 8 gloo processes): parity with the single-process run for the
+three data-parallel flavours and for GPT blocks under an interleaved schedule, and exact resume (40 steps
+straight = 20 + a resume for 20, bitwise), all in one 8-process launch."""
 
 from __future__ import annotations
 
@@ -8,17 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_checkpoint import THREE_D, assert_exact_resume, exact_resume_runs
 from tests.test_strategies import launch_harness
 from trainer.config import compose
 from trainer.run import build_trainer
 
 # 4 layers split over 2 stages; heads, kv heads, MLP width, vocab and sequence divide by tp=2.
 MODEL = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
+# GPT at the same size (biases, learned positions, tied head; dropout off for parity), 4 layers over 2
+# ranks x 2 virtual stages.
+GPT = ["model=gpt2_small", "model.vocab_size=256", "model.max_seq_len=32", "model.dim=64", "model.n_layers=4",
+       "model.n_heads=4", "model.ffn_hidden_dim=128", "model.dropout=0.0"]
+INTERLEAVED = ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"]
 # 10 steps of 16 sequences; micro-batch 4 on dp=2 gives 2 pipeline micro-batches = 2 stages.
 LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.max_steps=10",
         "trainer.log_every=1", "trainer.val_every=5", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
         "data.max_bytes=1000000", "callbacks=none"]
 FLAVOURS = ["ddp", "zero1", "fsdp"]
+PARITY = {flavour: (MODEL, [f"strategy.data_parallel={flavour}"]) for flavour in FLAVOURS}
+PARITY["gpt_interleaved"] = (GPT, ["strategy.data_parallel=zero1", *INTERLEAVED])
+THREE_D_8 = ["strategy=3d", "tp=2", "pp=2", "trainer.devices=8"]
 
 
 def column(run_dir: Path, name: str) -> list[float]:
@@ -26,28 +37,39 @@ def column(run_dir: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
 
 
+def reference(out: Path, name: str, model: list[str]) -> None:
+    trainer = build_trainer(compose(model + LOOP), out / name)
+    trainer.fit()
+    torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / name / "weights.pt")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("three_d")
     launch_harness(out, 8, [
-        {"name": flavour, "overrides": MODEL + LOOP + [
-            "strategy=3d", f"strategy.data_parallel={flavour}", "tp=2", "pp=2", "trainer.devices=8"]}
-        for flavour in FLAVOURS
+        *({"name": name, "overrides": model + LOOP + THREE_D_8 + strategy} for name, (model, strategy) in PARITY.items()),
+        *exact_resume_runs("3d", THREE_D, out / "np8"),
     ])
-    reference = build_trainer(compose(MODEL + LOOP), out / "single")
-    reference.fit()
-    torch.save(reference.strategy.full_state_dict(reference.model_parts), out / "single" / "weights.pt")
+    reference(out, "single", MODEL)
+    reference(out, "single_gpt", GPT)
     return out
 
 
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_3d_matches_single_process(runs: Path, flavour: str) -> None:
-    run_dir = runs / "np8" / flavour
-    assert column(run_dir, "train_loss") == pytest.approx(column(runs / "single", "train_loss"), rel=1e-4)
-    assert column(run_dir, "grad_norm") == pytest.approx(column(runs / "single", "grad_norm"), rel=1e-4)
-    assert column(run_dir, "val_loss") == pytest.approx(column(runs / "single", "val_loss"), rel=1e-4)
-    reference = torch.load(runs / "single" / "weights.pt", weights_only=True)
+@pytest.mark.parametrize("name", list(PARITY))
+def test_3d_matches_single_process(runs: Path, name: str) -> None:
+    run_dir = runs / "np8" / name
+    single = runs / ("single_gpt" if name.startswith("gpt") else "single")
+    assert len(column(single, "train_loss")) == 10
+    assert column(run_dir, "train_loss") == pytest.approx(column(single, "train_loss"), rel=1e-4)
+    assert column(run_dir, "grad_norm") == pytest.approx(column(single, "grad_norm"), rel=1e-4)
+    assert column(run_dir, "val_loss") == pytest.approx(column(single, "val_loss"), rel=1e-4)
+    reference_weights = torch.load(single / "weights.pt", weights_only=True)
     weights = torch.load(run_dir / "weights.pt", weights_only=True)
-    assert weights.keys() == reference.keys()
-    for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"3d/{flavour}: {key}")
+    assert weights.keys() == reference_weights.keys()
+    for key, value in reference_weights.items():
+        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"3d/{name}: {key}")
+
+
+def test_3d_exact_resume_gives_the_same_losses(runs: Path) -> None:
+    """pp=2 x dp=2 x tp=2: 40 steps straight vs 20, a save, and a resume for 20 more."""
+    assert_exact_resume(runs / "np8", "3d")

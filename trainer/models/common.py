@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,6 +45,42 @@ def init_linear_(linear: nn.Linear, std: float) -> None:
     nn.init.normal_(linear.weight, mean=0.0, std=std)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
+
+
+@contextmanager
+def rng_stream(stream: int, device: torch.device) -> Iterator[None]:
+    """Run the enclosed random ops (dropout) on stream `stream` of the shared random generator.
+
+    Stream 0 is the shared generator itself. Stream k > 0 draws one seed from it, so that every rank (and
+    an activation-checkpointing recompute, which restores the generator first) advances it alike, and runs
+    on that seed + k, leaving the shared generator as the draw left it. Tensor parallelism gives each
+    rank its own stream for the dropout of what is split across ranks (attention heads; the sequence
+    shards of sequence parallelism), as Megatron-LM's model-parallel RNG tracker does: on the shared
+    stream every rank would drop the same positions of its shard. What is replicated across ranks keeps
+    stream 0, where every rank draws the same mask.
+    """
+    if stream == 0:
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (1,)))
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.default_generator.manual_seed(seed + stream)
+        if devices:
+            torch.cuda.default_generators[device.index or torch.cuda.current_device()].manual_seed(seed + stream)
+        yield
+
+
+class StreamDropout(nn.Dropout):
+    """Dropout drawing its mask from `rng_stream(self.rng_stream)` (0, the shared stream, by default)."""
+
+    rng_stream: int = 0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        with rng_stream(self.rng_stream, input.device):
+            return super().forward(input)
 
 
 class CausalLM(nn.Module):

@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.common import CausalLM, init_linear_, require_divisible, require_positive
+from trainer.models.common import (
+    CausalLM,
+    StreamDropout,
+    init_linear_,
+    require_divisible,
+    require_positive,
+    rng_stream,
+)
 
 ATTN_IMPLS: tuple[str, ...] = ("sdpa", "materialized")
 
@@ -100,23 +107,32 @@ class CoreAttention(nn.Module):
 
     A module of its own (no parameters, so no state-dict entries) so that activation
     checkpointing can recompute just this part (Korthikanti et al. 2022's selective
-    recomputation, ``activation_checkpointing=attention``).
+    recomputation, ``activation_checkpointing=attention``). Its dropout draws from
+    ``rng_stream(self.rng_stream)``: tensor parallelism gives each rank's heads their own stream.
     """
 
     def __init__(self, attn_impl: str, dropout: float) -> None:
         super().__init__()
         self.attn_impl = attn_impl
         self.dropout = dropout
+        self.rng_stream = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout_p = self.dropout if self.training else 0.0
-        if self.attn_impl == "materialized":
-            return materialized_causal_attention(q, k, v, dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        with rng_stream(self.rng_stream if dropout_p else 0, q.device):
+            if self.attn_impl == "materialized":
+                return materialized_causal_attention(q, k, v, dropout_p)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with a fused qkv projection."""
+    """Causal multi-head self-attention with a fused qkv projection.
+
+    The fused projection's output features are laid out head by head, ``[n_heads, 3, head_dim]``
+    (Megatron-LM's layout), so that a contiguous split of its rows over tensor-parallel ranks gives each
+    rank whole heads with their own q, k and v; the head count is read from the output, which under
+    tensor parallelism is the local n_heads / tp.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -127,11 +143,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, dim = x.shape
-        qkv = self.wqkv(x).view(batch, seq_len, 3, self.n_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        batch, seq_len, _ = x.shape
+        qkv = self.wqkv(x).view(batch, seq_len, -1, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
         out = self.core_attention(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, std: float, residual_std: float) -> None:
         init_linear_(self.wqkv, std)
@@ -163,7 +179,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.LayerNorm(config.dim, eps=config.norm_eps, bias=config.bias)
         self.feed_forward = FeedForward(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = StreamDropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.dropout(self.attention(self.attention_norm(x)))
@@ -192,7 +208,7 @@ class GPT(CausalLM):
         self.config = config
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.dim)
         self.pos_embeddings: Optional[nn.Embedding] = nn.Embedding(config.max_seq_len, config.dim)
-        self.emb_dropout = nn.Dropout(config.dropout)
+        self.emb_dropout = StreamDropout(config.dropout)
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(config) for i in range(config.n_layers)}
         )
@@ -221,7 +237,8 @@ class GPT(CausalLM):
             )
         h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            positions = torch.arange(seq_len, device=tokens.device)
+            # [1, S]: dim 1 is the sequence, as in h (tensor parallelism shards both there)
+            positions = torch.arange(seq_len, device=tokens.device).unsqueeze(0)
             h = h + self.pos_embeddings(positions)
         return self.emb_dropout(h)
 

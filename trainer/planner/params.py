@@ -128,8 +128,9 @@ def _llama_inventory(cfg: Any) -> ModelInventory:
 
 def _gpt_inventory(cfg: Any) -> ModelInventory:
     h, f, v = cfg.dim, cfg.hidden_dim, cfg.vocab_size
-    # Tensor-parallel splits as Megatron-LM lays GPT out (the planner's figures for GPT with tp > 1 are
-    # Megatron's; this trainer's tp strategy splits the Llama family only).
+    # Tensor-parallel splits as Megatron-LM and this trainer's tp strategy lay GPT out: the head-major
+    # fused qkv and w1 split by rows with their biases, wo and w2 by columns with replicated biases, the
+    # position table replicated.
     layer = [ParamSpec("attention_norm.weight", (h,), None)]
     if cfg.bias:
         layer.append(ParamSpec("attention_norm.bias", (h,), None))

@@ -2,7 +2,7 @@
 
 The space, for the configured world size W, hardware and global batch:
 - tp: divisors of W up to the devices per node that split the model (heads, kv heads, ffn width,
-  vocabulary and, with sequence parallelism, the sequence; the Llama family only, as the tp strategy);
+  vocabulary and, with sequence parallelism, the sequence, as the tp strategy requires);
 - pp: divisors of W / tp up to the number of layers, with at least pp micro-batches per step;
 - dp = W / (tp pp), dividing the global batch; its flavour ddp, zero1, zero2, zero3, and zero3 with CPU
   offload on GPUs;
@@ -42,8 +42,6 @@ def _divisors(n: int) -> list[int]:
 def _tp_ok(inv: ModelInventory, tp: int, seq_len: int) -> bool:
     if tp == 1:
         return True
-    if inv.family != "llama":
-        return False  # the tp strategy splits separate q/k/v projections (plugins/strategies/tensor_parallel.py)
     sizes = (inv.n_heads, inv.n_kv_heads, inv.ffn_dim, inv.vocab_size, seq_len)
     return all(size % tp == 0 for size in sizes)
 
