@@ -292,13 +292,16 @@ def test_single_process_sigterm_saves_stops_and_resume_auto_continues_exactly(
     assert first.step == HALF and first.should_stop
     assert [c.name for c in complete_checkpoints(tmp_path / "checkpoints")] == [half_checkpoint(tmp_path).name]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the manager put the default handler back
-    first_losses = column(tmp_path)
+    assert sorted(column(tmp_path)) == list(range(1, HALF + 1))
     # resume=auto (the default) in the same run directory picks the checkpoint up
     resumed = build_trainer(compose(BASE + SINGLE), tmp_path)
     assert resumed.step == HALF and resumed.tokens_seen == HALF * 8 * 32
     resumed.fit()
-    losses = {**first_losses, **column(tmp_path)}
+    # metrics.csv continues: the whole curve, each step once, validation of both runs included
+    losses = column(tmp_path)
+    assert sorted(losses) == list(range(1, STEPS + 1))
     assert [losses[s] for s in range(1, STEPS + 1)] == [single_straight[s] for s in range(1, STEPS + 1)]
+    assert sorted(column(tmp_path, "val_loss")) == [HALF, STEPS]
 
 
 def test_an_exception_saves_the_state_and_the_run_resumes_from_it(
@@ -312,7 +315,7 @@ def test_an_exception_saves_the_state_and_the_run_resumes_from_it(
     resumed = build_trainer(compose(BASE + SINGLE), tmp_path)
     resumed.callbacks.append(StopAfterSteps(4))
     resumed.fit()
-    assert column(tmp_path) == {s: single_straight[s] for s in range(7, 11)}
+    assert column(tmp_path) == {s: single_straight[s] for s in range(1, 11)}
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,22 @@ from typing import Any
 
 
 def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
-    """`<run_dir>/metrics.csv`, one row per logged step; new columns (val_loss) are added as they appear."""
+    """`<run_dir>/metrics.csv`, one row per logged step; new columns (val_loss) are added as they appear.
+
+    A run resumed in its own directory continues the file: the rows of the steps before the first step
+    this run logs are kept (those after it were logged past the checkpoint by the run that stopped, and
+    are redone), so the file holds the whole curve. A fresh run in a used directory starts a new file.
+    """
+    import csv
     import warnings
 
     from lightning.fabric.loggers import CSVLogger
+
+    metrics_file = Path(run_dir) / "metrics.csv"
+    previous_rows: list[dict[str, Any]] = []
+    if metrics_file.is_file():  # read now: Lightning deletes it when its writer starts
+        with open(metrics_file, newline="") as f:
+            previous_rows = list(csv.DictReader(f))
 
     class StepRowCSVLogger(CSVLogger):
         """Lightning's CSVLogger writes one row per call; the loop, the monitors and validation each log
@@ -24,6 +36,11 @@ def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
 
         def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
             rows = self.experiment.metrics
+            if previous_rows:
+                first_step = step if step is not None else 0
+                rows[:0] = [row for row in previous_rows if row.get("step", "").isdigit()
+                            and int(row["step"]) < first_step]
+                previous_rows.clear()
             if step is not None and rows and rows[-1].get("step") == step:
                 rows[-1].update({k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()})
                 return
