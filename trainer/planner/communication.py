@@ -99,11 +99,17 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
         from trainer.planner.activations import checkpointed_layers
 
         recomputed = checkpointed_layers(layout, inv, coords.pp) * 2  # the forward's two again
-        if layout.checkpointing == "selective" and layout.sequence_parallel:
-            recomputed += part.layers  # the all-gathers are not kept: gathered again (half an all-reduce each)
         ends = (1 if part.first else 0) + (1 if part.last else 0)  # vocab-parallel embedding, head input
         count = m * (per_layer * part.layers + recomputed + 2 * ends)
-        out.append(Collective("tp", ALL_REDUCE, count, layout.tp, count * activation, spans_nodes(layout, "tp", gpn)))
+        span = spans_nodes(layout, "tp", gpn)
+        if layout.sequence_parallel:
+            # each all-reduce becomes an all-gather + a reduce-scatter of the same payload; selective
+            # recomputation does not keep the two gathered inputs of a layer: gathered again
+            gathers = count + (m * 2 * part.layers if layout.checkpointing == "selective" else 0)
+            out.append(Collective("tp", ALL_GATHER, gathers, layout.tp, gathers * activation, span))
+            out.append(Collective("tp", REDUCE_SCATTER, count, layout.tp, count * activation, span))
+        else:
+            out.append(Collective("tp", ALL_REDUCE, count, layout.tp, count * activation, span))
     if layout.pp > 1:
         activation = layout.seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
         boundaries = 2 * layout.virtual_stages - (1 if part.first else 0) - (1 if part.last else 0)
