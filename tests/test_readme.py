@@ -1,8 +1,8 @@
 """Every `python -m trainer ...` command in the README composes and validates.
 
-Running each command for real belongs to the tests of its feature (strategies, precision, planner,
-sweeps...); this test keeps the README from drifting away from the config: a renamed option or group
-makes it fail with the README line that broke.
+This keeps the README from drifting away from the config in a second: a renamed option or group makes
+it fail with the README line that broke. tests/test_readme_runs.py runs every README command with tiny
+settings (or names the test that does).
 """
 
 from __future__ import annotations

@@ -143,3 +143,28 @@ def test_compressed_gradients_train_close_to_exact(runs: Path) -> None:
 def test_offload_on_cpu_says_once_that_it_changes_nothing(runs: Path) -> None:
     log = (runs / "np2" / "train.log").read_text()
     assert log.count("offloading changes nothing here") == 1
+
+
+def test_data_parallel_strategies_train_on_one_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config meant for N devices runs on 1 (`python -m trainer strategy=zero3 trainer.devices=1`):
+    ddp, zero1 and zero3 (FSDP2) over a process group of one give the single-process losses. (It used to
+    fail: no RANK for the env:// rendezvous, and no data-parallel mesh dimension to wrap over.)"""
+    from trainer.config import compose
+    from trainer.run import train
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # a plain CLI run
+        monkeypatch.delenv(name, raising=False)
+    overrides = [*MODEL, "trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+                 "trainer.max_steps=3", "trainer.log_every=1", "trainer.val_every=0", "lr_schedule.warmup_steps=1",
+                 "data.max_bytes=200000", "trainer.peak_flops=1e12", "callbacks=none"]
+
+    def losses(run_dir: Path) -> list[float]:
+        with open(run_dir / "metrics.csv") as f:
+            return [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+
+    train(compose(overrides), tmp_path / "single")
+    assert len(losses(tmp_path / "single")) == 3
+    for strategy in ("ddp", "zero1", "zero3"):
+        summary = train(compose([*overrides, f"strategy={strategy}", "trainer.devices=1"]), tmp_path / strategy)
+        assert summary["steps"] == 3 and summary["world_size"] == 1
+        assert losses(tmp_path / strategy) == pytest.approx(losses(tmp_path / "single"), rel=1e-6), strategy

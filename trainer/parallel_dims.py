@@ -84,17 +84,24 @@ class ParallelDims:
         return self._mesh
 
     def dp_mesh(self) -> DeviceMesh | None:
-        """The (flattened) data-parallel sub-mesh, or None without data parallelism."""
+        """The (flattened) data-parallel sub-mesh, or None without data parallelism.
+
+        A world of one process has its size-1 dimension as the data-parallel mesh: a data-parallel
+        strategy run on one device (a config meant for N) then wraps the model over a group of one,
+        the code path of N ranks, instead of finding no group.
+        """
         names = self.mesh.mesh_dim_names or ()
         if "dp" in _flattened_names(self.mesh):
             return self.mesh["dp"]
         for name in ("dp_replicate", "dp_shard"):
-            if name in names and getattr(self, name) > 1:
+            if name in names and (getattr(self, name) > 1 or self.world_size == 1):
                 return self.mesh[name]
         return None
 
     def fsdp_mesh(self) -> DeviceMesh | None:
         """Mesh for fully_shard: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) for hybrid sharding."""
+        if self.world_size == 1:  # sharded over one rank, as dp_mesh explains
+            return self.dp_mesh()
         if not self.fsdp_enabled:
             return None
         if self.dp_replicate > 1:

@@ -26,13 +26,19 @@ FULL_INIT_MAX_BYTES = 4 * 2**30
 def init_process_group(device: torch.device, timeout_s: float = 600.0) -> bool:
     """nccl for CUDA tensors (gloo kept for CPU objects and offloaded states), gloo on CPU.
 
+    Without a launcher's RANK (`trainer.devices=1`: the CLI starts no workers) this process is the whole
+    world: its group of one gets an in-process store, since env:// rendezvous needs RANK/MASTER_ADDR.
     Returns False when a process group already exists (a program embedding the trainer made it, and
     will destroy it).
     """
     if dist.is_initialized():
         return False
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return True
 
 
