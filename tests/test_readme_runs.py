@@ -71,9 +71,6 @@ NOT_RUN = {
     "srun --ntasks-per-node 8 python -m trainer strategy=fsdp trainer.devices=8 trainer.num_nodes=4 "
     "trainer.global_batch_size=256": "needs SLURM, which this machine does not have; "
     "tests/test_launch.py::test_srun_tasks_join_as_one_job runs tasks with srun's variables set by hand",
-    **{f"python benchmarks/{name}.py": "a benchmark: it measures for minutes by design (even its smoke-test "
-       "arguments cost tens of seconds), beyond this test's budget; its figures are in docs/BENCHMARKS.md"
-       for name in ("loop_overhead", "ddp_overhead", "pipeline_bubble")},
 }
 # Commands another test runs with tiny settings, each of which would add 5-30 s here (torch.compile,
 # wandb's service, an 8-process launch, process starts): that test, and strings its file must contain
