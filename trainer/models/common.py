@@ -67,7 +67,8 @@ def rng_stream(stream: int, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.random.default_generator.manual_seed(seed + stream)
         if devices:
-            torch.cuda.default_generators[device.index or torch.cuda.current_device()].manual_seed(seed + stream)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[index].manual_seed(seed + stream)
         yield
 
 
