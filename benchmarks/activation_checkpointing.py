@@ -93,9 +93,7 @@ def measure(family: str, policy_name: str, args: argparse.Namespace) -> dict[str
     cfg = compose([o for o in overrides if o])
     model = build_meta_model(OmegaConf.to_object(cfg.model))
     policy = instantiate(cfg.activation_checkpointing)
-    meter = SavedActivationMeter([model])
-    meter.watch(policy)
-    policy.apply(model)
+    meter = SavedActivationMeter.applying(policy, model)
     torch.manual_seed(0)
     model.to_empty(device="cpu")
     with torch.no_grad():

@@ -44,9 +44,7 @@ def measure(overrides: list[str], micro: int, seq: int, policy: str) -> tuple[in
     torch.manual_seed(0)
     model = build_model(model_config(cfg))
     checkpointing = instantiate(cfg.activation_checkpointing)
-    meter = SavedActivationMeter([model])
-    meter.watch(checkpointing)
-    checkpointing.apply(model)
+    meter = SavedActivationMeter.applying(checkpointing, model)
     tokens = torch.randint(0, 256, (micro, seq))
     with meter:
         loss = cross_entropy_loss(model(tokens), torch.roll(tokens, -1, 1))

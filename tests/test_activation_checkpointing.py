@@ -200,9 +200,7 @@ def measured(policy_name: str, **options: Any) -> tuple[int, int, int]:
     GPT with materialized attention (seq_len 64, where the S x S terms are a large share)."""
     model = build_meta_model(GPTConfig(**SMALL_GPT))
     policy = policy_from_schema(policy_name, **options)
-    meter = SavedActivationMeter([model])
-    meter.watch(policy)
-    policy.apply(model)
+    meter = SavedActivationMeter.applying(policy, model)
     torch.manual_seed(0)
     model.to_empty(device="cpu")
     model.init_weights()

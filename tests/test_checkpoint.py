@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -62,16 +62,6 @@ ZERO3_4 = ["strategy=zero3", "trainer.devices=4", "trainer.micro_batch_size=2"]
 THREE_D = ["strategy=3d", "pp=2", "tp=2", "trainer.devices=8", "trainer.micro_batch_size=2"]
 # tp=2 x dp=2 with ZeRO-1 over dp: its optimizer steps Shard(0) views of tensor-parallel shards.
 TP_DP = ["strategy=3d", "strategy.data_parallel=zero1", "tp=2", "pp=1", "trainer.devices=4", "trainer.micro_batch_size=4"]
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _keep_thread_count() -> Iterator[None]:
-    """The runs here set trainer.num_threads=1 (the machine's cores are shared); later test modules in
-    this process get torch's thread count back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- callbacks the runs use (importable by the workers as tests.test_checkpoint.*) -----------------------

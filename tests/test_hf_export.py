@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -26,15 +25,6 @@ MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
 RUN = MODEL + ["trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.max_steps=4",
                "trainer.log_every=1", "trainer.val_every=0", "trainer.val_batches=1", "lr_schedule.warmup_steps=1",
                "data.max_bytes=200000", "trainer.peak_flops=1e12", "trainer.num_threads=1", "callbacks=none"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _keep_thread_count() -> Iterator[None]:
-    """The runs here set trainer.num_threads=1 (the machine's cores are shared); later test modules in
-    this process get torch's thread count back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(tie_embeddings: bool = False) -> LlamaConfig:

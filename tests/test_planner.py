@@ -173,9 +173,7 @@ def test_activation_estimate_matches_what_a_forward_saves_for_backward(case: str
     torch.manual_seed(0)
     model = build_model(model_config(cfg))
     checkpointing = instantiate(cfg.activation_checkpointing)
-    meter = SavedActivationMeter([model])
-    meter.watch(checkpointing)
-    checkpointing.apply(model)
+    meter = SavedActivationMeter.applying(checkpointing, model)
     with meter:
         loss = cross_entropy_loss(model(torch.randint(0, 256, (4, 128))), torch.randint(0, 256, (4, 128)))
     loss.backward()

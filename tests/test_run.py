@@ -181,3 +181,20 @@ def test_strategy_clips_to_max_norm() -> None:
     assert norm_before > 0.5
     norm_after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert norm_after == pytest.approx(0.5, rel=1e-5)
+
+
+def test_wandb_runs_of_one_sweep_share_a_group() -> None:
+    """Hydra puts a sweep's jobs in `<sweep dir>/<job number>`: their wandb runs are grouped by the sweep
+    directory and named by the job; another sweep gets another group. (Built, not started: no wandb run.)"""
+    from trainer.run import build_loggers
+
+    cfg = compose(["logger=[wandb]"])
+
+    def wandb_init(run_dir: str) -> dict:
+        (logger,) = [x for x in build_loggers(cfg, Path(run_dir)) if type(x).__name__ == "WandbLogger"]
+        return logger._wandb_init
+
+    first, second = wandb_init("multirun/2026-11-21/12-00-00/0"), wandb_init("multirun/2026-11-21/12-00-00/1")
+    assert first["group"] == second["group"] == "12-00-00"
+    assert (first["name"], second["name"]) == ("0", "1")
+    assert wandb_init("multirun/2026-11-21/12-30-00/0")["group"] != first["group"]

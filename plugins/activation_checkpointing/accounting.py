@@ -31,6 +31,15 @@ class SavedActivationMeter:
     ``with meter: loss = model(x)`` counts what that forward leaves for ``loss.backward()``.
     """
 
+    @classmethod
+    def applying(cls, policy: Any, model: nn.Module) -> SavedActivationMeter:
+        """A meter for `model` that watches `policy`, which is then applied to the model (watching must
+        come first: the policy captures its decision function when it wraps the blocks)."""
+        meter = cls([model])
+        meter.watch(policy)
+        policy.apply(model)
+        return meter
+
     def __init__(self, models: Iterable[nn.Module]) -> None:
         self._models = list(models)
         self._model_storages: set[tuple[str, int]] = set()

@@ -108,18 +108,29 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
     h, f, a = inv.dim, inv.ffn_dim, inv.n_heads
     sb = s * b
     selective = frozenset({"none", "attention", "selective"})
-    if inv.family == "gpt" and materialized:
+    if inv.family == "gpt":
         mask = 1 if inv.dropout > 0 else 0  # no dropout, no masks (and the softmax output feeds x V itself)
         asb = a * s * s * b
+        if materialized:  # Korthikanti's attention terms one by one
+            attention = [
+                Saved("q, k (for QK^T)", 2 * sb * h, e, TP),
+                Saved("softmax output", asb, e, TP, frozenset({"none"})),
+                Saved("attention dropout mask", asb * mask, mask_bytes, TP, frozenset({"none"})),
+                Saved("attention dropout output", asb * mask, e, TP, frozenset({"none"})),
+                Saved("v (for attention x V)", sb * h, e, TP),
+                Saved("output projection input", sb * h, e, TP),
+            ]
+            # op-level selective: the attention matmuls' outputs too
+            selective_attention = [Saved("QK^T output", asb, e, TP, frozenset({"selective"})),
+                                   Saved("attention x V output", sb * h, e, TP, frozenset({"selective"}))]
+        else:  # fused SDPA: q, k, v, output and logsumexp instead of the scores
+            attention = [Saved("q, k, v, attention output", 4 * sb * h, e, TP, selective),
+                         Saved("attention logsumexp", a * sb, 4, TP, selective)]
+            selective_attention = []
         return [
             Saved("layernorm 1 input", sb * h, e, SP, selective, block_input=True),
             Saved("qkv projection input", sb * h, e, SP),
-            Saved("q, k (for QK^T)", 2 * sb * h, e, TP),
-            Saved("softmax output", asb, e, TP, frozenset({"none"})),
-            Saved("attention dropout mask", asb * mask, mask_bytes, TP, frozenset({"none"})),
-            Saved("attention dropout output", asb * mask, e, TP, frozenset({"none"})),
-            Saved("v (for attention x V)", sb * h, e, TP),
-            Saved("output projection input", sb * h, e, TP),
+            *attention,
             Saved("attention dropout mask (residual)", sb * h * mask, mask_bytes, SP),
             Saved("layernorm 2 input", sb * h, e, SP),
             Saved("fc1 input", sb * h, e, SP),
@@ -128,26 +139,7 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
             Saved("mlp dropout mask", sb * h * mask, mask_bytes, SP),
             # op-level selective: the outputs of the matmuls (kept instead of what they feed)
             Saved("qkv matmul output", 3 * sb * h, e, TP, frozenset({"selective"})),
-            Saved("QK^T output", asb, e, TP, frozenset({"selective"})),
-            Saved("attention x V output", sb * h, e, TP, frozenset({"selective"})),
-            Saved("output projection output", sb * h, e, FULL, frozenset({"selective"})),
-            Saved("fc1 output", sb * f, e, TP, frozenset({"selective"})),
-            Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
-        ]
-    if inv.family == "gpt":  # fused SDPA: q, k, v, output and logsumexp instead of the scores
-        mask = 1 if inv.dropout > 0 else 0
-        return [
-            Saved("layernorm 1 input", sb * h, e, SP, selective, block_input=True),
-            Saved("qkv projection input", sb * h, e, SP),
-            Saved("q, k, v, attention output", 4 * sb * h, e, TP, selective),
-            Saved("attention logsumexp", a * sb, 4, TP, selective),
-            Saved("attention dropout mask (residual)", sb * h * mask, mask_bytes, SP),
-            Saved("layernorm 2 input", sb * h, e, SP),
-            Saved("fc1 input", sb * h, e, SP),
-            Saved("gelu input", sb * f, e, TP),
-            Saved("fc2 input", sb * f, e, TP),
-            Saved("mlp dropout mask", sb * h * mask, mask_bytes, SP),
-            Saved("qkv matmul output", 3 * sb * h, e, TP, frozenset({"selective"})),
+            *selective_attention,
             Saved("output projection output", sb * h, e, FULL, frozenset({"selective"})),
             Saved("fc1 output", sb * f, e, TP, frozenset({"selective"})),
             Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
