@@ -7,7 +7,7 @@ forward + backward of one micro-batch, and measures:
 - activation bytes: the distinct storages the forward leaves for the backward, counted with
   `torch.autograd.graph.saved_tensors_hooks` plus the outputs a selective-checkpoint policy caches,
   views of one storage counted once, parameters and buffers excluded
-  (`plugins.activation_checkpointing.accounting.SavedActivationMeter`);
+  (`trainer.plugins.activation_checkpointing.accounting.SavedActivationMeter`);
 - FLOPs with `torch.utils.flop_counter.FlopCounterMode` over the forward and over the backward
   (which includes any recomputation). Recompute FLOPs = (forward + backward FLOPs with the policy)
   - (the same without); `extra_forwards` expresses them in units of the forward without the policy.
@@ -51,7 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plugins.activation_checkpointing.accounting import SavedActivationMeter  # noqa: E402
+from trainer.plugins.activation_checkpointing.accounting import SavedActivationMeter  # noqa: E402
 from trainer.config import compose  # noqa: E402
 from trainer.loss import cross_entropy_loss  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402

@@ -56,9 +56,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plugins.activation_checkpointing import NoCheckpointing  # noqa: E402
-from plugins.precision import FP32Precision  # noqa: E402
-from plugins.strategies.pipeline import PipelineParallel  # noqa: E402
+from trainer.plugins.activation_checkpointing import NoCheckpointing  # noqa: E402
+from trainer.plugins.precision import FP32Precision  # noqa: E402
+from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
 

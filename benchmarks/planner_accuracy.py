@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plugins.activation_checkpointing.accounting import SavedActivationMeter  # noqa: E402
+from trainer.plugins.activation_checkpointing.accounting import SavedActivationMeter  # noqa: E402
 from trainer.config import RECIPES_DIR, compose, validate  # noqa: E402
 from trainer.loss import cross_entropy_loss  # noqa: E402
 from trainer.models import build_model  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import StepClock  # noqa: E402
 
-from plugins.precision import DTYPES  # noqa: E402
+from trainer.plugins.precision import DTYPES  # noqa: E402
 from trainer.config import compose  # noqa: E402
 from trainer.hardware import measure_matmul_flops  # noqa: E402
 from trainer.run import build_trainer  # noqa: E402

@@ -28,7 +28,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from plugins.activation_checkpointing import (
+from trainer.plugins.activation_checkpointing import (
     ACTIVATION_CHECKPOINTING_SCHEMAS,
     ActivationCheckpointing,
     ActivationOffloading,
@@ -36,9 +36,9 @@ from plugins.activation_checkpointing import (
     EveryNthCheckpointing,
     FullCheckpointing,
 )
-from plugins.activation_checkpointing.accounting import SavedActivationMeter
-from plugins.activation_checkpointing.offload import SaveActivationsOnHost
-from plugins.strategies.pipeline import split_model
+from trainer.plugins.activation_checkpointing.accounting import SavedActivationMeter
+from trainer.plugins.activation_checkpointing.offload import SaveActivationsOnHost
+from trainer.plugins.strategies.pipeline import split_model
 from tests.test_strategies import launch_harness
 from trainer.callback import Callback
 from trainer.config import ConfigError, compose, validate

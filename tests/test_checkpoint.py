@@ -424,7 +424,7 @@ def test_retention_keeps_the_last_the_best_and_the_milestones() -> None:
 
 def test_manager_saves_on_time_and_steps_and_prunes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    import plugins.callbacks.checkpoint as manager_module
+    import trainer.plugins.callbacks.checkpoint as manager_module
 
     clock = [0.0]
     monkeypatch.setattr(manager_module.time, "monotonic", lambda: clock[0])

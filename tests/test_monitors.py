@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.callbacks.monitors import busy_seconds
+from trainer.plugins.callbacks.monitors import busy_seconds
 from trainer.config import compose
 from trainer.hardware import measure_matmul_flops
 from trainer.run import train
@@ -88,7 +88,7 @@ def test_throughput_monitor_survives_a_rollback_to_an_earlier_step() -> None:
     restarts there instead of failing on counters that went backwards."""
     from types import SimpleNamespace
 
-    from plugins.callbacks.monitors import ThroughputMonitor
+    from trainer.plugins.callbacks.monitors import ThroughputMonitor
 
     logged: list[dict[str, float]] = []
     trainer = SimpleNamespace(step=0, train_time_s=0.0, tokens_seen=0, peak_flops=1e9, flops_per_token=100,

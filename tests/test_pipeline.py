@@ -23,7 +23,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from plugins.strategies.pipeline import PipelineParallel, split_model, stage_indices_of_rank, stage_layer_ranges
+from trainer.plugins.strategies.pipeline import PipelineParallel, split_model, stage_indices_of_rank, stage_layer_ranges
 from trainer.config import compose
 from trainer.models import build_meta_model
 from trainer.run import build_trainer

@@ -165,7 +165,7 @@ def test_activation_estimate_matches_what_a_forward_saves_for_backward(case: str
     counted once, parameters and buffers excluded: plugins/activation_checkpointing/accounting.py)."""
     from hydra.utils import instantiate
 
-    from plugins.activation_checkpointing.accounting import SavedActivationMeter
+    from trainer.plugins.activation_checkpointing.accounting import SavedActivationMeter
     from trainer.loss import cross_entropy_loss
 
     cfg = compose(["model=tiny", "trainer.micro_batch_size=4", "trainer.seq_len=128", "trainer.global_batch_size=4",

@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from plugins.precision import BF16Mixed, BF16True, DynamicLossScaler, FP16Mixed, FP32MasterWeights, FP32Precision
-from plugins.precision.scaler import unscale_and_check_
+from trainer.plugins.precision import BF16Mixed, BF16True, DynamicLossScaler, FP16Mixed, FP32MasterWeights, FP32Precision
+from trainer.plugins.precision.scaler import unscale_and_check_
 from trainer.config import ConfigError, compose, validate
 from trainer.run import build_trainer
 

@@ -173,7 +173,7 @@ def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path) -> None:
 
 
 def test_strategy_clips_to_max_norm() -> None:
-    from plugins.strategies import SingleDevice
+    from trainer.plugins.strategies import SingleDevice
 
     model = torch.nn.Linear(8, 8)
     model(torch.randn(4, 8)).pow(2).sum().mul(100).backward()

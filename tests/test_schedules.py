@@ -1,4 +1,4 @@
-"""Tests for plugins.lr_schedules: values, shape, validation, LambdaLR, Hydra configs."""
+"""Tests for trainer.plugins.lr_schedules: values, shape, validation, LambdaLR, Hydra configs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from plugins.lr_schedules import (
+from trainer.plugins.lr_schedules import (
     WSD,
     Constant,
     ConstantScheduleConfig,

@@ -15,9 +15,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from plugins.callbacks.stabilizer import LossSpikeStabilizer, SpikeDetector, TrainingDiverged
-from plugins.precision import Precision
-from plugins.strategies import SingleDevice
+from trainer.plugins.callbacks.stabilizer import LossSpikeStabilizer, SpikeDetector, TrainingDiverged
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies import SingleDevice
 from trainer.config import ConfigError, compose, validate
 from trainer.data import StatefulLoader, TokenWindows
 

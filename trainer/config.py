@@ -85,7 +85,7 @@ class TrainerConfig:
 class CSVLoggerConfig:
     """`metrics.csv` in the run directory (always written, whatever else is configured)."""
 
-    _target_: str = "plugins.loggers.csv_logger"
+    _target_: str = "trainer.plugins.loggers.csv_logger"
     _partial_: bool = True
     # Rows are buffered and written every N logged steps (and at the end).
     flush_logs_every_n_steps: int = 10
@@ -95,7 +95,7 @@ class CSVLoggerConfig:
 class WandbLoggerConfig:
     """Weights & Biases; offline (files under the run directory) unless an API key is configured."""
 
-    _target_: str = "plugins.loggers.wandb_logger"
+    _target_: str = "trainer.plugins.loggers.wandb_logger"
     _partial_: bool = True
     project: str = "trainer"
     # Runs of one sweep share a group (the sweep directory name by default).
@@ -112,7 +112,7 @@ class WandbLoggerConfig:
 class TensorBoardLoggerConfig:
     """TensorBoard event files under `<run_dir>/tensorboard`."""
 
-    _target_: str = "plugins.loggers.tensorboard_logger"
+    _target_: str = "trainer.plugins.loggers.tensorboard_logger"
     _partial_: bool = True
     subdir: str = "tensorboard"
 
@@ -121,7 +121,7 @@ class TensorBoardLoggerConfig:
 class ProgressBarConfig:
     """Rank-0 progress: a live bar on a terminal, one line per logged step otherwise."""
 
-    _target_: str = "plugins.callbacks.ProgressBar"
+    _target_: str = "trainer.plugins.callbacks.ProgressBar"
 
 
 @dataclass
@@ -201,16 +201,16 @@ class Config:
 
 def register_configs() -> None:
     """Put every schema in Hydra's ConfigStore (idempotent)."""
-    from plugins.activation_checkpointing import ACTIVATION_CHECKPOINTING_SCHEMAS
-    from plugins.lr_schedules import (
+    from trainer.plugins.activation_checkpointing import ACTIVATION_CHECKPOINTING_SCHEMAS
+    from trainer.plugins.lr_schedules import (
         ConstantScheduleConfig,
         CosineScheduleConfig,
         InverseSqrtScheduleConfig,
         LinearScheduleConfig,
         WSDScheduleConfig,
     )
-    from plugins.precision import PRECISION_SCHEMAS
-    from plugins.strategies import STRATEGY_SCHEMAS
+    from trainer.plugins.precision import PRECISION_SCHEMAS
+    from trainer.plugins.strategies import STRATEGY_SCHEMAS
     from trainer.data import StdlibDataConfig, TokenFileDataConfig
     from trainer.models import GPTConfig, LlamaConfig
     from trainer.optim import AdamWConfig, SGDConfig
@@ -243,14 +243,14 @@ def register_configs() -> None:
     for name, node in {"csv": CSVLoggerConfig, "wandb": WandbLoggerConfig, "tensorboard": TensorBoardLoggerConfig}.items():
         cs.store(group="logger", name=f"{name}_schema", node=node, package=f"logger.{name}")
     cs.store(group="callbacks", name="progress_bar_schema", node=ProgressBarConfig, package="callbacks.progress_bar")
-    from plugins.callbacks.monitors import MemoryMonitorConfig, ThroughputMonitorConfig
+    from trainer.plugins.callbacks.monitors import MemoryMonitorConfig, ThroughputMonitorConfig
 
     cs.store(group="callbacks", name="throughput_schema", node=ThroughputMonitorConfig, package="callbacks.throughput")
     cs.store(group="callbacks", name="memory_schema", node=MemoryMonitorConfig, package="callbacks.memory")
-    from plugins.callbacks.stabilizer import LossSpikeStabilizerConfig
+    from trainer.plugins.callbacks.stabilizer import LossSpikeStabilizerConfig
 
     cs.store(group="callbacks", name="stabilizer_schema", node=LossSpikeStabilizerConfig, package="callbacks.stabilizer")
-    from plugins.callbacks.checkpoint import CheckpointManagerConfig
+    from trainer.plugins.callbacks.checkpoint import CheckpointManagerConfig
 
     cs.store(group="callbacks", name="checkpoint_schema", node=CheckpointManagerConfig, package="callbacks.checkpoint")
 

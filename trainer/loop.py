@@ -16,8 +16,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from plugins.precision import Precision
-from plugins.strategies import Strategy
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies import Strategy
 from trainer.callback import Callback
 from trainer.config import TrainerConfig
 from trainer.hardware import peak_memory_bytes

@@ -29,7 +29,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
     """Every configured logger; metrics.csv is always written."""
     logger_cfgs = dict(cfg.logger)
     if "csv" not in logger_cfgs:
-        logger_cfgs["csv"] = OmegaConf.create({"_target_": "plugins.loggers.csv_logger", "_partial_": True})
+        logger_cfgs["csv"] = OmegaConf.create({"_target_": "trainer.plugins.loggers.csv_logger", "_partial_": True})
     return [instantiate(node)(run_dir=run_dir) for node in logger_cfgs.values()]
 
 

@@ -1,12 +1,12 @@
 """Activation-checkpointing policies, applied per transformer block before data-parallel wrapping."""
 
-from plugins.activation_checkpointing.base import (
+from trainer.plugins.activation_checkpointing.base import (
     ActivationCheckpointing,
     NoCheckpointing,
     NoCheckpointingConfig,
 )
-from plugins.activation_checkpointing.offload import ActivationOffloading, ActivationOffloadingConfig
-from plugins.activation_checkpointing.recompute import (
+from trainer.plugins.activation_checkpointing.offload import ActivationOffloading, ActivationOffloadingConfig
+from trainer.plugins.activation_checkpointing.recompute import (
     SELECTIVE_SAVE_OPS,
     AttentionCheckpointing,
     AttentionCheckpointingConfig,

@@ -18,7 +18,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from plugins.activation_checkpointing.recompute import SelectiveCheckpointing
+from trainer.plugins.activation_checkpointing.recompute import SelectiveCheckpointing
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:

@@ -55,4 +55,4 @@ class NoCheckpointing(ActivationCheckpointing):
 class NoCheckpointingConfig:
     """Schema of `activation_checkpointing=none`."""
 
-    _target_: str = "plugins.activation_checkpointing.NoCheckpointing"
+    _target_: str = "trainer.plugins.activation_checkpointing.NoCheckpointing"

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from plugins.activation_checkpointing.base import ActivationCheckpointing
+from trainer.plugins.activation_checkpointing.base import ActivationCheckpointing
 
 log = logging.getLogger("trainer")
 
@@ -102,6 +102,6 @@ class ActivationOffloading(ActivationCheckpointing):
 class ActivationOffloadingConfig:
     """Schema of `activation_checkpointing=offload`."""
 
-    _target_: str = "plugins.activation_checkpointing.ActivationOffloading"
+    _target_: str = "trainer.plugins.activation_checkpointing.ActivationOffloading"
     # Copy into page-locked host memory, so that device-to-host copies can overlap compute (GPU only).
     pin_memory: bool = True

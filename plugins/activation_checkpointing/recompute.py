@@ -32,7 +32,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from plugins.activation_checkpointing.base import ActivationCheckpointing
+from trainer.plugins.activation_checkpointing.base import ActivationCheckpointing
 
 CORE_ATTENTION = "core_attention"
 
@@ -160,14 +160,14 @@ class AttentionCheckpointing(ActivationCheckpointing):
 class FullCheckpointingConfig:
     """Schema of `activation_checkpointing=full`."""
 
-    _target_: str = "plugins.activation_checkpointing.FullCheckpointing"
+    _target_: str = "trainer.plugins.activation_checkpointing.FullCheckpointing"
 
 
 @dataclass
 class EveryNthCheckpointingConfig:
     """Schema of `activation_checkpointing=every_n`."""
 
-    _target_: str = "plugins.activation_checkpointing.EveryNthCheckpointing"
+    _target_: str = "trainer.plugins.activation_checkpointing.EveryNthCheckpointing"
     # Checkpoint every n-th block, counted over the whole model (layers n-1, 2n-1, ...); n=1 is `full`.
     n: int = 2
 
@@ -176,11 +176,11 @@ class EveryNthCheckpointingConfig:
 class SelectiveCheckpointingConfig:
     """Schema of `activation_checkpointing=selective`."""
 
-    _target_: str = "plugins.activation_checkpointing.SelectiveCheckpointing"
+    _target_: str = "trainer.plugins.activation_checkpointing.SelectiveCheckpointing"
 
 
 @dataclass
 class AttentionCheckpointingConfig:
     """Schema of `activation_checkpointing=attention`."""
 
-    _target_: str = "plugins.activation_checkpointing.AttentionCheckpointing"
+    _target_: str = "trainer.plugins.activation_checkpointing.AttentionCheckpointing"

@@ -1,5 +1,5 @@
 """Callback plugins (Lightning's hook names; see trainer.callback.Callback)."""
 
-from plugins.callbacks.progress import ProgressBar
+from trainer.plugins.callbacks.progress import ProgressBar
 
 __all__ = ["ProgressBar"]

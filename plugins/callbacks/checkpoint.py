@@ -297,7 +297,7 @@ class CheckpointManager(Callback):
 class CheckpointManagerConfig:
     """Schema of `callbacks=[...,checkpoint]` (`callbacks.checkpoint.*`)."""
 
-    _target_: str = "plugins.callbacks.checkpoint.CheckpointManager"
+    _target_: str = "trainer.plugins.callbacks.checkpoint.CheckpointManager"
     # Where checkpoints go; a relative path is under the run directory.
     directory: str = "checkpoints"
     # Save every N optimizer steps (null: no step-based saves).

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from plugins.precision import Precision
+from trainer.plugins.precision import Precision
 from trainer.callback import Callback
 
 if TYPE_CHECKING:
@@ -428,7 +428,7 @@ def describe(event: dict[str, Any]) -> str:
 class LossSpikeStabilizerConfig:
     """Schema of `callbacks.stabilizer`: the loss-spike stabilizer (plugins/callbacks/stabilizer.py)."""
 
-    _target_: str = "plugins.callbacks.stabilizer.LossSpikeStabilizer"
+    _target_: str = "trainer.plugins.callbacks.stabilizer.LossSpikeStabilizer"
     # Accepted steps the running statistics are taken over.
     window: int = 50
     # No spike is declared before this many accepted steps are in the history (early losses fall fast).

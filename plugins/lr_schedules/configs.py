@@ -24,9 +24,9 @@ __all__ = [
 
 @dataclass
 class ConstantScheduleConfig:
-    """Schema of :class:`plugins.lr_schedules.Constant`."""
+    """Schema of :class:`trainer.plugins.lr_schedules.Constant`."""
 
-    _target_: str = "plugins.lr_schedules.Constant"
+    _target_: str = "trainer.plugins.lr_schedules.Constant"
     # Must stay true: the trainer adds total_steps after instantiation.
     _partial_: bool = True
     # Linear-warmup updates before the LR reaches its base value; in [0, total_steps].
@@ -35,9 +35,9 @@ class ConstantScheduleConfig:
 
 @dataclass
 class CosineScheduleConfig:
-    """Schema of :class:`plugins.lr_schedules.WarmupCosine`."""
+    """Schema of :class:`trainer.plugins.lr_schedules.WarmupCosine`."""
 
-    _target_: str = "plugins.lr_schedules.WarmupCosine"
+    _target_: str = "trainer.plugins.lr_schedules.WarmupCosine"
     # Must stay true: the trainer adds total_steps after instantiation.
     _partial_: bool = True
     # Linear-warmup updates; in [0, total_steps - 1].
@@ -48,9 +48,9 @@ class CosineScheduleConfig:
 
 @dataclass
 class LinearScheduleConfig:
-    """Schema of :class:`plugins.lr_schedules.WarmupLinear`."""
+    """Schema of :class:`trainer.plugins.lr_schedules.WarmupLinear`."""
 
-    _target_: str = "plugins.lr_schedules.WarmupLinear"
+    _target_: str = "trainer.plugins.lr_schedules.WarmupLinear"
     # Must stay true: the trainer adds total_steps after instantiation.
     _partial_: bool = True
     # Linear-warmup updates; in [0, total_steps - 1].
@@ -61,9 +61,9 @@ class LinearScheduleConfig:
 
 @dataclass
 class WSDScheduleConfig:
-    """Schema of :class:`plugins.lr_schedules.WSD` (warmup-stable-decay)."""
+    """Schema of :class:`trainer.plugins.lr_schedules.WSD` (warmup-stable-decay)."""
 
-    _target_: str = "plugins.lr_schedules.WSD"
+    _target_: str = "trainer.plugins.lr_schedules.WSD"
     # Must stay true: the trainer adds total_steps after instantiation.
     _partial_: bool = True
     # Linear-warmup updates; must end before the decay phase starts.
@@ -79,9 +79,9 @@ class WSDScheduleConfig:
 
 @dataclass
 class InverseSqrtScheduleConfig:
-    """Schema of :class:`plugins.lr_schedules.InverseSqrt`."""
+    """Schema of :class:`trainer.plugins.lr_schedules.InverseSqrt`."""
 
-    _target_: str = "plugins.lr_schedules.InverseSqrt"
+    _target_: str = "trainer.plugins.lr_schedules.InverseSqrt"
     # Must stay true: the trainer adds total_steps after instantiation.
     _partial_: bool = True
     # Linear-warmup updates; in [0, total_steps].

@@ -4,18 +4,18 @@
 optional fp32 master copy in the optimizer), `fp16` (fp16 autocast with dynamic loss scaling).
 """
 
-from plugins.precision.base import DTYPES, FP32Precision, Precision
-from plugins.precision.bf16_true import BF16True, FP32MasterWeights
-from plugins.precision.compat import check_precision_strategy
-from plugins.precision.configs import (
+from trainer.plugins.precision.base import DTYPES, FP32Precision, Precision
+from trainer.plugins.precision.bf16_true import BF16True, FP32MasterWeights
+from trainer.plugins.precision.compat import check_precision_strategy
+from trainer.plugins.precision.configs import (
     PRECISION_SCHEMAS,
     BF16MixedConfig,
     BF16TrueConfig,
     FP16MixedConfig,
     FP32PrecisionConfig,
 )
-from plugins.precision.mixed import BF16Mixed, FP16Mixed, MixedPrecision
-from plugins.precision.scaler import DynamicLossScaler
+from trainer.plugins.precision.mixed import BF16Mixed, FP16Mixed, MixedPrecision
+from trainer.plugins.precision.scaler import DynamicLossScaler
 
 __all__ = [
     "Precision", "FP32Precision", "MixedPrecision", "BF16Mixed", "FP16Mixed", "BF16True", "FP32MasterWeights",

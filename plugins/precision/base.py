@@ -49,9 +49,9 @@ class Precision:
         """Raise ValueError (one line naming both) when `strategy` cannot honour this precision.
 
         Called by `trainer.config.validate` before any process starts; the rules are in
-        `plugins.precision.compat`.
+        `trainer.plugins.precision.compat`.
         """
-        from plugins.precision.compat import check_precision_strategy
+        from trainer.plugins.precision.compat import check_precision_strategy
 
         check_precision_strategy(self, strategy, device_type)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from plugins.precision.base import Precision, dtype_from_name
-from plugins.precision.scaler import local_tensor
+from trainer.plugins.precision.base import Precision, dtype_from_name
+from trainer.plugins.precision.scaler import local_tensor
 
 
 class FP32MasterWeights:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from plugins.precision.base import DTYPE_NAMES, Precision
+from trainer.plugins.precision.base import DTYPE_NAMES, Precision
 
 def _strategy_label(strategy: Any) -> str:
     name = getattr(strategy, "name", type(strategy).__name__)
@@ -20,7 +20,7 @@ def _strategy_label(strategy: Any) -> str:
 
 def check_precision_strategy(precision: Precision, strategy: Any, device_type: str) -> None:
     """Raise ValueError (one line naming both) when `strategy` on `device_type` cannot honour `precision`."""
-    from plugins.strategies.ddp import DDP  # the strategies import this package: import at call time
+    from trainer.plugins.strategies.ddp import DDP  # the strategies import this package: import at call time
 
     label = f"precision={precision.name}"
     where = _strategy_label(strategy)

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 class FP32PrecisionConfig:
     """Schema of `precision=fp32`."""
 
-    _target_: str = "plugins.precision.FP32Precision"
+    _target_: str = "trainer.plugins.precision.FP32Precision"
 
 
 @dataclass
 class BF16MixedConfig:
     """Schema of `precision=bf16`: bf16 autocast, fp32 master weights and optimizer states."""
 
-    _target_: str = "plugins.precision.BF16Mixed"
+    _target_: str = "trainer.plugins.precision.BF16Mixed"
     # dtype of data-parallel gradient reduction (and of accumulation while FSDP defers it): fp32, or bf16
     # to halve the traffic. Honoured by the FSDP2 strategies (zero2, zero3, fsdp, 3d); ddp/zero1 reduce
     # the fp32 gradients as they are (their bf16 option is strategy.comm_hook=bf16).
@@ -27,7 +27,7 @@ class BF16MixedConfig:
 class BF16TrueConfig:
     """Schema of `precision=bf16_true`: bf16 parameters, activations and gradients."""
 
-    _target_: str = "plugins.precision.BF16True"
+    _target_: str = "trainer.plugins.precision.BF16True"
     # The optimizer steps fp32 copies of the weights (and keeps fp32 states); without it updates smaller
     # than bf16's resolution are lost.
     master_weights: bool = True
@@ -40,7 +40,7 @@ class BF16TrueConfig:
 class FP16MixedConfig:
     """Schema of `precision=fp16`: fp16 autocast with dynamic loss scaling, fp32 master weights."""
 
-    _target_: str = "plugins.precision.FP16Mixed"
+    _target_: str = "trainer.plugins.precision.FP16Mixed"
     # dtype of data-parallel gradient reduction under FSDP2 strategies: fp32 (safe) or fp16.
     reduce_dtype: str = "fp32"
     # Loss scale at step 0.

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from plugins.precision.base import DTYPE_NAMES, Precision, dtype_from_name, gradients
-from plugins.precision.scaler import DynamicLossScaler, agree_on_overflow, unscale_and_check_
+from trainer.plugins.precision.base import DTYPE_NAMES, Precision, dtype_from_name, gradients
+from trainer.plugins.precision.scaler import DynamicLossScaler, agree_on_overflow, unscale_and_check_
 
 log = logging.getLogger("trainer")
 

@@ -1,12 +1,12 @@
 """Strategy plugins: how the model is placed, split and kept in sync across processes."""
 
-from plugins.strategies.base import SingleDevice, SingleDeviceConfig, Strategy
-from plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
-from plugins.strategies.distributed import DistributedStrategy
-from plugins.strategies.fsdp import FSDP, FSDPConfig
-from plugins.strategies.tensor_parallel import TensorParallelConfig
-from plugins.strategies.pipeline import PipelineParallelConfig
-from plugins.strategies.three_d import ThreeDConfig
+from trainer.plugins.strategies.base import SingleDevice, SingleDeviceConfig, Strategy
+from trainer.plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
+from trainer.plugins.strategies.distributed import DistributedStrategy
+from trainer.plugins.strategies.fsdp import FSDP, FSDPConfig
+from trainer.plugins.strategies.tensor_parallel import TensorParallelConfig
+from trainer.plugins.strategies.pipeline import PipelineParallelConfig
+from trainer.plugins.strategies.three_d import ThreeDConfig
 
 # Schema of each strategy, registered in Hydra's ConfigStore as `<name>_schema` (conf/strategy/*.yaml
 # names it in its defaults list).

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from plugins.activation_checkpointing import ActivationCheckpointing
-from plugins.precision import Precision
+from trainer.plugins.activation_checkpointing import ActivationCheckpointing
+from trainer.plugins.precision import Precision
 from trainer.loss import cross_entropy_loss
 from trainer.optim import optimizer_from_config
 
@@ -207,4 +207,4 @@ class SingleDevice(Strategy):
 class SingleDeviceConfig:
     """Schema of `strategy=single`."""
 
-    _target_: str = "plugins.strategies.SingleDevice"
+    _target_: str = "trainer.plugins.strategies.SingleDevice"

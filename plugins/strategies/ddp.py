@@ -14,9 +14,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from plugins.precision import Precision
-from plugins.strategies.base import MicroBatch
-from plugins.strategies.distributed import DistributedStrategy
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies.base import MicroBatch
+from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.optim import optimizer_factory_from_config, param_groups
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
@@ -204,7 +204,7 @@ class ZeRO1(ShardedOptimizerStates, DDP):
 class DDPConfig:
     """Schema of `strategy=ddp`."""
 
-    _target_: str = "plugins.strategies.DDP"
+    _target_: str = "trainer.plugins.strategies.DDP"
     name: str = "ddp"
     # Gradient bucket size: larger buckets mean fewer, bigger all-reduces.
     bucket_cap_mb: float = 25.0
@@ -225,5 +225,5 @@ class DDPConfig:
 class ZeRO1Config(DDPConfig):
     """Schema of `strategy=zero1`."""
 
-    _target_: str = "plugins.strategies.ZeRO1"
+    _target_: str = "trainer.plugins.strategies.ZeRO1"
     name: str = "zero1"

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from plugins.activation_checkpointing import ActivationCheckpointing
-from plugins.precision import Precision
-from plugins.strategies.base import Strategy, compile_blocks
+from trainer.plugins.activation_checkpointing import ActivationCheckpointing
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies.base import Strategy, compile_blocks
 from trainer.parallel_dims import ParallelDims
 
 log = logging.getLogger("trainer")

@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from plugins.precision import Precision
-from plugins.strategies.distributed import DistributedStrategy
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies.distributed import DistributedStrategy
 
 log = logging.getLogger("trainer")
 SHARDING_MODES = ("full_shard", "shard_grad_op", "hybrid_shard")
@@ -123,7 +123,7 @@ def _set_prefetch(blocks: list[nn.Module], prefetch_blocks: int) -> None:
 class FSDPConfig:
     """Schema of `strategy=fsdp` (and, with other defaults, of zero2 and zero3)."""
 
-    _target_: str = "plugins.strategies.FSDP"
+    _target_: str = "trainer.plugins.strategies.FSDP"
     name: str = "fsdp"
     # full_shard (ZeRO-3), shard_grad_op (ZeRO-2) or hybrid_shard (shard in groups, replicate across).
     sharding: str = "full_shard"

@@ -49,10 +49,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from plugins.activation_checkpointing import ActivationCheckpointing
-from plugins.precision import Precision
-from plugins.strategies.base import MicroBatch
-from plugins.strategies.distributed import DistributedStrategy
+from trainer.plugins.activation_checkpointing import ActivationCheckpointing
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies.base import MicroBatch
+from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.loss import cross_entropy_loss
 
 log = logging.getLogger("trainer")
@@ -642,7 +642,7 @@ def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 class PipelineParallelConfig:
     """Schema of `strategy=pp`: pipeline parallelism over `pp` ranks (world size = pp)."""
 
-    _target_: str = "plugins.strategies.pipeline.PipelineParallel"
+    _target_: str = "trainer.plugins.strategies.pipeline.PipelineParallel"
     name: str = "pp"
     # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs virtual_stages >= 2 to interleave) or
     # zero_bubble (torch's ScheduleInterleavedZeroBubble; virtual_stages >= 2, no trainer.compile).

@@ -49,9 +49,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plugins.activation_checkpointing import ActivationCheckpointing
-from plugins.precision import Precision
-from plugins.strategies.distributed import DistributedStrategy
+from trainer.plugins.activation_checkpointing import ActivationCheckpointing
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.models.common import StreamDropout
 
 
@@ -373,7 +373,7 @@ class TensorParallel(DistributedStrategy):
 class TensorParallelConfig:
     """Schema of `strategy=tp`: tensor parallelism over `tp` = trainer.devices x trainer.num_nodes ranks."""
 
-    _target_: str = "plugins.strategies.tensor_parallel.TensorParallel"
+    _target_: str = "trainer.plugins.strategies.tensor_parallel.TensorParallel"
     # Name in logs and summaries.
     name: str = "tp"
     # Shard norms and the residual stream on the sequence (activation memory / tp; reduce-scatter +

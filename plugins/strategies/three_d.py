@@ -20,11 +20,11 @@ from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from plugins.precision import Precision
-from plugins.strategies.ddp import ShardedOptimizerStates
-from plugins.strategies.fsdp import FSDP, wrap_fsdp
-from plugins.strategies.pipeline import PipelineParallel
-from plugins.strategies.tensor_parallel import TensorParallel, settle_tensor_parallel_grads
+from trainer.plugins.precision import Precision
+from trainer.plugins.strategies.ddp import ShardedOptimizerStates
+from trainer.plugins.strategies.fsdp import FSDP, wrap_fsdp
+from trainer.plugins.strategies.pipeline import PipelineParallel
+from trainer.plugins.strategies.tensor_parallel import TensorParallel, settle_tensor_parallel_grads
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hybrid_shard")
 REPLICATING = ("ddp", "zero1")
@@ -108,7 +108,7 @@ class ThreeD(PipelineParallel, TensorParallel, ShardedOptimizerStates):
 class ThreeDConfig:
     """Schema of `strategy=3d` (pipeline x data x tensor parallel; sizes from the top-level pp, dp, tp)."""
 
-    _target_: str = "plugins.strategies.three_d.ThreeD"
+    _target_: str = "trainer.plugins.strategies.three_d.ThreeD"
     name: str = "3d"
     # Data-parallel flavour: ddp, zero1, zero2, zero3, fsdp or hybrid_shard.
     data_parallel: str = "fsdp"

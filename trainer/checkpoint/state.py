@@ -223,7 +223,7 @@ def optimizer_template(entries: Sequence[OptimizerEntry], optimizer: torch.optim
 def load_optimizer_state(entries: Sequence[OptimizerEntry], optimizer: torch.optim.Optimizer,
                          loaded: dict[str, Any]) -> None:
     """Finish what loading in place left: non-tensor states, and ZeRO-1 rows out of the parameter layout."""
-    from plugins.strategies.ddp import shard_rows
+    from trainer.plugins.strategies.ddp import shard_rows
 
     for entry in entries:
         states = optimizer.state[entry.stepped]

@@ -27,7 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from plugins.precision import Precision
+from trainer.plugins.precision import Precision
 
 
 class ExactUnavailable(RuntimeError):
@@ -47,7 +47,7 @@ def _ddp_without_init_sync() -> Iterator[None]:
     """DistributedDataParallel's constructor checks parameter shapes across ranks by reading a value
     (`.item()`), which meta tensors do not have; `init_sync=False` skips that check and the initial
     broadcast, neither of which changes what a rank holds."""
-    import plugins.strategies.ddp as ddp_module
+    import trainer.plugins.strategies.ddp as ddp_module
 
     patched = functools.partial(ddp_module.DistributedDataParallel, init_sync=False)
     with mock.patch.object(ddp_module, "DistributedDataParallel", patched):
@@ -119,7 +119,7 @@ def exact_state_bytes(cfg: DictConfig, rank: int) -> dict[str, int]:
                     param.grad = torch.empty_like(param)
         masters: list[torch.Tensor] = []
         if getattr(precision, "master_weights", False) and precision.param_dtype != torch.float32:
-            from plugins.precision.bf16_true import FP32MasterWeights
+            from trainer.plugins.precision.bf16_true import FP32MasterWeights
 
             # as the plugin does before the first step: the optimizer then updates fp32 copies
             masters = [master for _, master in FP32MasterWeights(optimizer).pairs]

@@ -104,10 +104,10 @@ def _fsdp_flavour(sharding: str, reshard_after_forward: Optional[bool]) -> str:
 
 def layout_from_config(cfg: DictConfig) -> Layout:
     """The layout of a composed (and validated) config."""
-    from plugins.strategies.ddp import DDP, ZeRO1
-    from plugins.strategies.fsdp import FSDP
-    from plugins.strategies.pipeline import PipelineParallel
-    from plugins.strategies.tensor_parallel import TensorParallel
+    from trainer.plugins.strategies.ddp import DDP, ZeRO1
+    from trainer.plugins.strategies.fsdp import FSDP
+    from trainer.plugins.strategies.pipeline import PipelineParallel
+    from trainer.plugins.strategies.tensor_parallel import TensorParallel
     from trainer.config import data_parallel_size, world_size
 
     s = cfg.strategy

@@ -143,7 +143,7 @@ def stage_layers(inv: ModelInventory, layout: Layout) -> tuple[int, ...]:
 def _stage_layers(n_layers: int, stages: int, layers_per_stage: tuple[int, ...] | None, embedding_weight: float,
                   head_weight: float) -> tuple[int, ...]:
     # cached: the balancing is a dynamic program over splits, and the search asks for the same few often
-    from plugins.strategies.pipeline import stage_layer_ranges
+    from trainer.plugins.strategies.pipeline import stage_layer_ranges
 
     if stages == 1:
         return (n_layers,)
