@@ -57,7 +57,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.plugins.activation_checkpointing import NoCheckpointing  # noqa: E402
-from trainer.plugins.precision import FP32Precision  # noqa: E402
 from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
@@ -107,7 +106,6 @@ def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
             warmup: int) -> dict[str, float]:
     """Median step time, busy time and idle fraction of this rank over `steps` timed steps (the
     timers are installed during the first, untimed, step)."""
-    precision = FP32Precision()
     step_times, busy_times = [], []
     for step in range(warmup + steps):
         for part in parts:
@@ -115,7 +113,7 @@ def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
         dist.barrier()
         clock.seconds = 0.0
         start = time.perf_counter()
-        strategy.forward_backward(parts, microbatches, precision)
+        strategy.forward_backward(parts, microbatches)
         elapsed = time.perf_counter() - start
         instrument(strategy, clock)  # the schedule and its stages exist after the first step
         if step >= warmup:
@@ -138,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy = PipelineParallel(schedule=schedule, embedding_weight=0.0, head_weight=0.0, init="full")
         strategy.setup_environment("cpu", 1, pp=pp)
         torch.manual_seed(0)
-        parts = strategy.setup_model(build_meta_model(config), NoCheckpointing(), FP32Precision(), compile=False)
+        parts = strategy.setup_model(build_meta_model(config), NoCheckpointing(), compile=False)
         for microbatches in args.microbatches:
             if schedule == "1f1b" and microbatches < pp:
                 continue  # torch's Schedule1F1B needs at least one micro-batch per stage

@@ -172,11 +172,13 @@ def test_recomputation_replays_dropout(single_runs: Path, policy: str) -> None:
 PARITY = [(strategy, policy) for strategy in STRATEGIES for policy in POLICIES_UNDER[strategy][1:]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "policy"), PARITY, ids=[f"{s}-{p}" for s, p in PARITY])
 def test_distributed_policy_matches_none(distributed_runs: Path, strategy: str, policy: str) -> None:
     assert_same_training(distributed_runs / f"{strategy}_{policy}", distributed_runs / f"{strategy}_none")
 
 
+@pytest.mark.slow
 def test_offload_on_cpu_says_once_that_it_changes_nothing(distributed_runs: Path) -> None:
     log = (distributed_runs / "train.log").read_text()
     # once per run (fsdp and pp), from rank 0 only, although every block of every step passes through it

@@ -193,11 +193,13 @@ def assert_exact_resume(run_dir: Path, name: str) -> None:
     assert column(run_dir / f"{name}-resumed", "val_loss")[STEPS] == column(run_dir / f"{name}-straight", "val_loss")[STEPS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "name"), EXACT, ids=[f"{n}-{s}" for n, s in EXACT])
 def test_exact_resume_gives_the_same_losses(launches: Path, nproc: str, name: str) -> None:
     assert_exact_resume(launches / nproc, name)
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_saves_and_stops_every_rank(launches: Path) -> None:
     """ddp-first got SIGTERM on rank 1 only, before step HALF: all ranks agreed to save step HALF and stop;
     its resumed run gave the straight run's losses (checked above)."""
@@ -210,6 +212,7 @@ def test_sigterm_on_one_rank_saves_and_stops_every_rank(launches: Path) -> None:
     assert "a signal on another rank: saving a checkpoint at step" in (launches / "np2" / "train.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "name"), [("np4", "tp_dp"), ("np2", "pp")])
 def test_zero3_checkpoint_resumes_under_another_layout(launches: Path, nproc: str, name: str) -> None:
     """Saved by zero3 on 4 ranks; the first step resumed under tp=2 x dp=2 (4 ranks) or pp=2 (2 ranks)
@@ -220,6 +223,7 @@ def test_zero3_checkpoint_resumes_under_another_layout(launches: Path, nproc: st
     assert resumed[HALF + 1] == pytest.approx(original[HALF + 1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_resharded_run_saves_what_resumes_again(launches: Path, tmp_path: Path) -> None:
     """zero3 (4 ranks) -> one step under tp=2 x dp=2 with ZeRO-1 states, saved -> one process: the next two
     losses are the original run's, so the ZeRO-1 states of tensor-parallel shards were saved and loaded
@@ -233,6 +237,7 @@ def test_a_resharded_run_saves_what_resumes_again(launches: Path, tmp_path: Path
     assert column(tmp_path) == pytest.approx({s: original[s] for s in (HALF + 2, HALF + 3)}, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_resumes_on_a_single_process(launches: Path, tmp_path: Path) -> None:
     checkpoint = half_checkpoint(launches / "np4" / "zero3-straight")
     trainer = build_trainer(compose(BASE + ["trainer.micro_batch_size=8", f"resume={checkpoint}"]), tmp_path)
@@ -242,6 +247,7 @@ def test_zero3_checkpoint_resumes_on_a_single_process(launches: Path, tmp_path: 
     assert column(tmp_path)[HALF + 1] == pytest.approx(column(launches / "np4" / "zero3-straight")[HALF + 1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_killed_ranks_restart_and_resume_from_the_last_complete_checkpoint(launches: Path, tmp_path: Path) -> None:
     """`python -m trainer trainer.max_restarts=2`: rank 1 is SIGKILLed at step 6 (the elastic agent restarts
     the job, which resumes from step 4), then SIGKILLed while step 8 is being saved (that save never

@@ -192,6 +192,7 @@ def test_at_least_fifteen_invalid_configs() -> None:
     assert len(INVALID) >= 15
 
 
+@pytest.mark.slow
 def test_cli_error_is_one_line_without_traceback_and_starts_nothing(tmp_path: Path) -> None:
     """The real entry point: exit 2, one line, no run directory created."""
     run_dir = tmp_path / "run"

@@ -23,6 +23,7 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
 MIB = 2**20
 
 
+@pytest.mark.slow
 def test_mfu_against_the_measured_cpu_peak_in_progress_bar_metrics_and_every_logger(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="trainer")
@@ -110,3 +111,22 @@ def test_throughput_monitor_survives_a_rollback_to_an_earlier_step() -> None:
     step(2, 1.5)
     assert [row.get("samples_per_s") for row in logged] == [2.0, 2.0, None, 4.0]
     assert logged[-1]["flops_per_s"] == 8 * 100 / 0.5 and logged[2]["forward_backward_s"] == 0.5
+
+
+def test_metrics_csv_redoes_the_rows_of_steps_a_rollback_replays(tmp_path: Path) -> None:
+    """A stabilizer rollback replays steps with smaller numbers than the last logged one: their earlier rows
+    go, written or still buffered, so the file holds each step once (as after a resume)."""
+    import csv
+
+    from trainer.plugins.loggers import csv_logger
+
+    logger = csv_logger(tmp_path, flush_logs_every_n_steps=2)
+    for step in range(1, 6):
+        logger.log_metrics({"train_loss": float(step)}, step=step)
+    logger.log_metrics({"val_loss": 9.0}, step=5)
+    for step in range(3, 7):  # rolled back to the step-2 checkpoint
+        logger.log_metrics({"train_loss": 10.0 + step}, step=step)
+    logger.finalize("success")
+    with open(tmp_path / "metrics.csv") as f:
+        rows = [(int(r["step"]), float(r["train_loss"]), r.get("val_loss") or None) for r in csv.DictReader(f)]
+    assert rows == [(1, 1.0, None), (2, 2.0, None), (3, 13.0, None), (4, 14.0, None), (5, 15.0, None), (6, 16.0, None)]

@@ -222,6 +222,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "name"), PARITY, ids=[f"pp{n}-{s}" for n, s in PARITY])
 def test_pipeline_matches_single_process(runs: Path, nproc: int, name: str) -> None:
     run_dir = runs / f"np{nproc}" / name
@@ -237,12 +238,14 @@ def test_pipeline_matches_single_process(runs: Path, nproc: int, name: str) -> N
         torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"pp={nproc} {name}: {key}")
 
 
+@pytest.mark.slow
 def test_tied_head_and_embedding_stay_one_weight(runs: Path) -> None:
     weights = torch.load(runs / "np2" / "gpt_tied" / "weights.pt", weights_only=True)
     # held by stage 0 and stage 1 as two copies, kept bitwise equal by the gradient all-reduce
     assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
 
 
+@pytest.mark.slow
 def test_every_rank_reports_and_holds_only_its_stage(runs: Path) -> None:
     summary = json.loads((runs / "np4" / "1f1b" / "summary.json").read_text())
     single = json.loads((runs / "llama" / "summary.json").read_text())

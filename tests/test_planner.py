@@ -208,6 +208,7 @@ def measured_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "np2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_analytic_and_exact_state_bytes_equal_what_a_run_holds(measured_runs: Path, name: str) -> None:
     cfg = compose(SMALL + ["trainer.devices=2", "mode=plan"] + MEASURED[name])
@@ -254,6 +255,7 @@ UNFIT = ["model=llama3_8b", "hardware=h100_80g", "trainer.devices=8", "trainer.s
          "trainer.global_batch_size=64", "trainer.micro_batch_size=2", "strategy=ddp", "precision=bf16"]
 
 
+@pytest.mark.slow
 def test_unfit_config_exits_nonzero_says_what_is_short_and_suggests_what_fits(tmp_path: Path) -> None:
     chart = tmp_path / "memory.png"
     command = [sys.executable, "-m", "trainer", *UNFIT, "mode=plan", "plan.format=json", "plan.exact=false",

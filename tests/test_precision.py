@@ -195,6 +195,7 @@ def test_picks_the_strategy_honours_validate(overrides: list[str]) -> None:
     (["precision=bf16", "precision.reduce_dtype=fp16"], ["precision=bf16", "reduce_dtype", "fp32, bf16"]),
     (["precision=fp16", "precision.hysteresis=0"], ["hysteresis must be >= 1"]),
     (["precision=fp16", "precision.backoff_factor=2.0"], ["backoff_factor"]),
+    (["precision=fp16", "precision.initial_scale=1e12"], ["initial_scale must be a power of two", "1.09951e+12"]),
 ])
 def test_bad_precision_options_fail_in_one_line(overrides: list[str], words: list[str]) -> None:
     error = validation_error(overrides)
@@ -270,6 +271,7 @@ def overflow_rows(runs: Path, name: str) -> list[list[dict]]:
     return [json.loads((runs / "overflow" / name / f"overflow_rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OVERFLOW_RUNS))
 def test_fp16_overflow_on_one_rank_is_skipped_by_all(runs: Path, name: str) -> None:
     per_rank = overflow_rows(runs, name)
@@ -301,6 +303,7 @@ def curve(runs: Path, name: str, metric: str = "train_loss") -> list[float]:
     return values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_loss_curve_stays_within_3_percent_of_fp32_at_every_step(runs: Path, name: str) -> None:
     reference, losses = curve(runs, "fp32"), curve(runs, name)
@@ -311,6 +314,7 @@ def test_loss_curve_stays_within_3_percent_of_fp32_at_every_step(runs: Path, nam
         assert curve(runs, name, "skipped") == [0] * 100 and set(curve(runs, name, "loss_scale")) == {4096}
 
 
+@pytest.mark.slow
 def test_bf16_true_curve_stays_within_3_percent_of_fp32_over_10_step_windows(runs: Path) -> None:
     """bf16 weights round every update and shift every activation a little, and the loss of one 16-token
     sequence is sensitive to that: single steps differ from fp32's by up to ~7%. The trend, the mean
@@ -322,3 +326,55 @@ def test_bf16_true_curve_stays_within_3_percent_of_fp32_over_10_step_windows(run
 
     gaps = [abs(a - b) / b for a, b in zip(windows(losses), windows(reference))]
     assert max(gaps) < 0.03, gaps
+
+
+# ---- skipped updates and bf16_true's master weights, in this process ---------------------------------------
+SHORT = SMALL + ["trainer.seq_len=16", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+                 "trainer.log_every=1", "trainer.val_every=0", "trainer.val_batches=1", "data.max_bytes=100000",
+                 "callbacks=none", "trainer.peak_flops=1e12", "trainer.num_threads=1"]
+
+
+def test_skipped_updates_do_not_advance_the_schedule_nor_count_as_optimizer_steps(tmp_path: Path) -> None:
+    """fp16 whose scaled gradients overflow at every step: no update happens, so the LR stays at the
+    schedule's first value, torch sees no scheduler step before an optimizer step, and no state report is
+    taken (no optimizer state exists)."""
+    import warnings
+
+    overrides = SHORT + ["precision=fp16", "precision.initial_scale=1099511627776", "trainer.max_steps=4",
+                         "lr_schedule.warmup_steps=2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build_trainer(compose(overrides), tmp_path)
+        summary = trainer.fit()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert column(tmp_path, "skipped") == [1.0] * 4
+    assert column(tmp_path, "lr") == [3e-3 / 2] * 4  # warmup multiplier of update 0: 1/2
+    assert summary["steps"] == 4 and summary["optimizer_steps"] == 0
+    assert summary["state_bytes_per_rank"] == [None] and not trainer.optimizer.state
+
+
+def test_bf16_true_counts_its_fp32_masters_as_optimizer_state(tmp_path: Path) -> None:
+    trainer = build_trainer(compose(SHORT + ["precision=bf16_true", "trainer.max_steps=1", "lr_schedule.warmup_steps=0"]), tmp_path)
+    summary = trainer.fit()
+    params = summary["num_params"]
+    # 2 + 2 bytes of bf16 weights and gradients; 4 (fp32 master) + 4 + 4 (Adam's m and v, fp32) of optimizer
+    assert summary["state_bytes_per_rank"] == [{"params": 2 * params, "grads": 2 * params, "optimizer": 12 * params}]
+
+
+def test_bf16_true_resume_continues_from_the_fp32_masters_exactly(tmp_path: Path) -> None:
+    """8 steps straight (checkpoints every 4) and 4 resumed from step 4 give bitwise the same losses: the
+    checkpoint holds the fp32 masters, not only their bf16 rounding. A small LR makes most updates smaller
+    than a bf16 ulp, so a resume from the rounded weights alone would diverge at once."""
+    overrides = SHORT + ["precision=bf16_true", "optimizer.lr=3e-4", "trainer.max_steps=8",
+                         "lr_schedule.warmup_steps=2"]
+    build_trainer(compose(overrides + ["callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=4"]),
+                  tmp_path / "straight").fit()
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step_00000004"
+    resumed = build_trainer(compose(overrides + [f"resume={checkpoint}"]), tmp_path / "resumed")
+    assert resumed.step == 4
+    masters = [master for _, master in resumed.precision.optimizer_tensor_pairs()]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    # the loaded masters are the saved run's, not the bf16 weights widened
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)
+    resumed.fit()
+    assert column(tmp_path / "resumed", "train_loss") == column(tmp_path / "straight", "train_loss")[4:]

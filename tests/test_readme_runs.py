@@ -542,6 +542,7 @@ def test_every_readme_command_has_a_tiny_run() -> None:
                                                          "not_run"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", [command.text for command in readme_commands()])
 def test_readme_command_runs(outcomes: dict[str, Outcome], text: str) -> None:
     outcome = outcomes[text]

@@ -100,6 +100,7 @@ def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "np2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_recipe_shrunk_to_a_tiny_model_trains_2_steps_on_2_cpu_processes(tiny_runs: Path, name: str) -> None:
     summary = json.loads((tiny_runs / name / "summary.json").read_text())

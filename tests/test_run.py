@@ -95,6 +95,7 @@ def test_grad_clip_caps_the_update_and_norm_is_logged(tmp_path: Path) -> None:
     assert column(clipped, "train_loss")[1:] != column(free, "train_loss")[1:]
 
 
+@pytest.mark.slow
 def test_gpt_family_and_sgd_and_every_schedule_train(tmp_path: Path) -> None:
     for i, overrides in enumerate([
         ["model=gpt2_small", "model.vocab_size=256", "model.max_seq_len=64", "model.dropout=0.1"],
@@ -124,6 +125,7 @@ def test_data_vocabulary_larger_than_model_is_a_clear_error(tmp_path: Path) -> N
         train(compose(TINY + ["model.vocab_size=128"]), tmp_path)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
     _, eager = run(tmp_path / "eager", "trainer.max_steps=3")
     _, compiled = run(tmp_path / "compiled", "trainer.max_steps=3", "trainer.compile=true")
@@ -138,6 +140,7 @@ def cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subpro
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+@pytest.mark.slow
 def test_cli_run_prints_progress_and_summary_path(tmp_path: Path) -> None:
     result = cli(tmp_path)
     assert result.returncode == 0, result.stderr
@@ -150,6 +153,7 @@ def test_cli_run_prints_progress_and_summary_path(tmp_path: Path) -> None:
     assert "step 4/4" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_console_script_is_installed() -> None:
     exe = shutil.which("trainer")
     assert exe is not None, "pip install -e . should put `trainer` on PATH"
@@ -157,6 +161,7 @@ def test_console_script_is_installed() -> None:
     assert result.returncode == 0 and "model:" in result.stdout
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(tmp_path / "home")  # no netrc login: wandb must stay offline

@@ -27,7 +27,8 @@ LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps
         "callbacks=none"]
 # (name, strategy overrides, processes); micro-batch = 16 / (2 x dp) gives accumulation 2 everywhere
 STRATEGIES = {
-    2: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "zero3_offload", "ddp_fp16", "ddp_powersgd"],
+    2: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "zero3_offload", "zero1_offload",
+        "zero2_offload", "ddp_fp16", "ddp_powersgd"],
     4: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid"],
 }
 STRATEGY_OVERRIDES = {
@@ -40,6 +41,9 @@ STRATEGY_OVERRIDES = {
     "fsdp_hybrid": ["strategy=fsdp", "strategy.sharding=hybrid_shard", "strategy.dp_replicate=2"],
     # on CPU offloading has nothing to move: it must say so and change nothing
     "zero3_offload": ["strategy=zero3", "strategy.offload_params=true", "strategy.offload_optimizer=true"],
+    # ZeRO-Offload: the optimizer steps host copies of this rank's partition (on CPU, the same memory)
+    "zero1_offload": ["strategy=zero1", "strategy.offload_optimizer=true"],
+    "zero2_offload": ["strategy=zero2", "strategy.offload_optimizer=true", "precision=bf16_true"],
     # gradient compression changes the gradients, so these are checked for training, not parity
     "ddp_fp16": ["strategy=ddp", "strategy.comm_hook=fp16"],
     "ddp_powersgd": ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_start_iter=2"],
@@ -83,6 +87,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PARAMS = [(nproc, name) for nproc, names in STRATEGIES.items() for name in names if name not in COMPRESSED]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "name"), PARAMS, ids=[f"{n}-{s}" for n, s in PARAMS])
 def test_losses_and_weights_match_single_process(runs: Path, nproc: int, name: str) -> None:
     run_dir = runs / f"np{nproc}" / name
@@ -103,6 +108,7 @@ def held(runs: Path, name: str, kind: str) -> list[int]:
     return [rank[kind] for rank in summary["state_bytes_per_rank"]]
 
 
+@pytest.mark.slow
 def test_zero_stages_shard_what_they_promise_on_4_ranks(runs: Path) -> None:
     """ZeRO (Rajbhandari et al. 2020): stage 1 shards optimizer states, 2 adds gradients, 3 parameters."""
     ddp = {kind: held(runs, "ddp", kind) for kind in ("params", "grads", "optimizer")}
@@ -114,6 +120,8 @@ def test_zero_stages_shard_what_they_promise_on_4_ranks(runs: Path) -> None:
 
     quarter(held(runs, "zero1", "optimizer"), ddp["optimizer"][0])
     assert held(runs, "zero1", "params") == ddp["params"] and held(runs, "zero1", "grads") == ddp["grads"]
+    # textbook ZeRO-2: the whole parameters on every rank, a quarter of the gradients and optimizer states
+    assert held(runs, "zero2", "params") == ddp["params"]
     quarter(held(runs, "zero2", "grads"), ddp["grads"][0])
     quarter(held(runs, "zero2", "optimizer"), ddp["optimizer"][0])
     quarter(held(runs, "zero3", "params"), ddp["params"][0])
@@ -123,12 +131,14 @@ def test_zero_stages_shard_what_they_promise_on_4_ranks(runs: Path) -> None:
         assert value == pytest.approx(ddp["params"][0] / 2, rel=0.02)
 
 
+@pytest.mark.slow
 def test_each_rank_reads_distinct_data_and_summary_has_every_rank(runs: Path) -> None:
     summary = json.loads((runs / "np4" / "ddp" / "summary.json").read_text())
     assert summary["world_size"] == 4 and len(summary["peak_memory_bytes_per_rank"]) == 4
     assert all(m > 0 for m in summary["peak_memory_bytes_per_rank"])
 
 
+@pytest.mark.slow
 def test_compressed_gradients_train_close_to_exact(runs: Path) -> None:
     exact = losses(runs / "single")
     for name in sorted(COMPRESSED):
@@ -140,11 +150,13 @@ def test_compressed_gradients_train_close_to_exact(runs: Path) -> None:
         assert gap < (0.002 if name == "ddp_fp16" else 0.05), (name, gap)
 
 
+@pytest.mark.slow
 def test_offload_on_cpu_says_once_that_it_changes_nothing(runs: Path) -> None:
     log = (runs / "np2" / "train.log").read_text()
     assert log.count("offloading changes nothing here") == 1
 
 
+@pytest.mark.slow
 def test_data_parallel_strategies_train_on_one_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A config meant for N devices runs on 1 (`python -m trainer strategy=zero3 trainer.devices=1`):
     ddp, zero1 and zero3 (FSDP2) over a process group of one give the single-process losses. (It used to
@@ -168,3 +180,41 @@ def test_data_parallel_strategies_train_on_one_device(tmp_path: Path, monkeypatc
         summary = train(compose([*overrides, f"strategy={strategy}", "trainer.devices=1"]), tmp_path / strategy)
         assert summary["steps"] == 3 and summary["world_size"] == 1
         assert losses(tmp_path / strategy) == pytest.approx(losses(tmp_path / "single"), rel=1e-6), strategy
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_optimizer_offload_steps_host_copies_and_changes_no_loss(strategy: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`offload_optimizer=true` alone: the parameters (and the forward/backward) stay where they are, the
+    optimizer steps copies of this rank's partition in host memory, so every optimizer state lives there,
+    in storage of its own; the losses are those of the run without offload, bitwise."""
+    import gc
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # a plain CLI run
+        monkeypatch.delenv(name, raising=False)
+    overrides = [*MODEL, "trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+                 "trainer.max_steps=3", "trainer.log_every=1", "trainer.val_every=0", "lr_schedule.warmup_steps=1",
+                 "data.max_bytes=200000", "trainer.peak_flops=1e12", "callbacks=none", f"strategy={strategy}",
+                 "trainer.devices=1"]
+
+    def run(extra: list[str], name: str) -> tuple[list[float], list[tuple[str, int]], set[int]]:
+        trainer = build_trainer(compose(overrides + extra), tmp_path / name)
+        trainer.fit()
+        param_storages = {p.data.untyped_storage().data_ptr() for part in trainer.model_parts for p in part.parameters()}
+        states = [(v.to_local() if hasattr(v, "to_local") else v) for state in trainer.optimizer.state.values()
+                  for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        stepped = [(t.to_local() if hasattr(t, "to_local") else t) for g in trainer.optimizer.param_groups
+                   for t in g["params"]]
+        where = [(t.device.type, t.untyped_storage().data_ptr()) for t in states + stepped]
+        strategy_ = trainer.strategy
+        del trainer
+        gc.collect()
+        strategy_.teardown()
+        return losses(tmp_path / name), where, param_storages
+
+    plain, plain_where, plain_params = run([], "plain")
+    offloaded, where, params = run(["strategy.offload_optimizer=true"], "offloaded")
+    assert offloaded == plain
+    assert where and all(device == "cpu" and storage not in params for device, storage in where)
+    # without offload the optimizer steps views of the parameters themselves
+    assert any(storage in plain_params for _, storage in plain_where)

@@ -23,6 +23,8 @@ from trainer.config import compose
 from trainer.run import build_trainer
 from tests.test_strategies import launch_harness
 
+pytestmark = pytest.mark.slow
+
 # Grouped-query attention (8 query heads, 4 key/value heads) whose heads, kv heads, MLP width (128),
 # vocabulary (256) and sequence (32) all split over 4 ranks: at tp=4 each rank runs 2 query heads on 1
 # key/value head.

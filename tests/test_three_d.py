@@ -15,6 +15,8 @@ from tests.test_strategies import launch_harness
 from trainer.config import compose
 from trainer.run import build_trainer
 
+pytestmark = pytest.mark.slow
+
 # 4 layers split over 2 stages; heads, kv heads, MLP width, vocab and sequence divide by tp=2.
 MODEL = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
 # GPT at the same size (biases, learned positions, tied head; dropout off for parity), 4 layers over 2

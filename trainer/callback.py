@@ -7,6 +7,7 @@ default: a callback overrides only what it needs.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -17,6 +18,12 @@ if TYPE_CHECKING:
 
 class Callback:
     """Base class of the callbacks; hooks are listed in the order a run calls them."""
+
+    @staticmethod
+    def check_config(node: Any) -> None:
+        """Raise ValueError (or TypeError) for invalid options in the callback's config `node` (its
+        `callbacks.NAME` node, `_target_` included). Called on the class by config validation before any
+        process starts, so a bad option fails in one line before launch; the default accepts anything."""
 
     def on_fit_start(self, trainer: "Trainer") -> None:
         """After the model, optimizer and data are set up (and a checkpoint loaded), before step 1."""
@@ -58,3 +65,15 @@ class Callback:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what state_dict returned."""
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in checkpoints (as Lightning's): its class's qualified name
+        by default; a callback used twice with different options should add them."""
+        return type(self).__qualname__
+
+    def resolve_directory(self, run_dir: Path | str) -> Path | None:
+        """The directory checkpoints of the run in `run_dir` go to, when this callback decides it (the
+        checkpoint manager); None otherwise."""
+        del run_dir
+        return None

@@ -68,7 +68,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
             write_status(run_dir, "skipped_unfit", reason)
         return None
     if needs_launch(cfg):
-        launch(cfg, run_dir)
+        launch(cfg, run_dir, train)
         return read_summary(run_dir)
     if distributed_environment() == "slurm":
         adopt_slurm_environment()

@@ -3,6 +3,10 @@
 `python -m trainer trainer.devices=4 ...` starts 4 local workers with PyTorch's elastic launcher (the
 machinery behind torchrun), each running `train` on the resolved config in the same run directory.
 Under torchrun or srun the process is already one of the workers and trains directly.
+
+The caller hands `launch` the function the workers run (trainer.run.train), so this module imports
+neither trainer.run nor the config package as a whole: only `register_configs` and `world_size` from
+trainer.config's submodules, and `distributed_environment` from the leaf trainer/environment.py.
 """
 
 from __future__ import annotations
@@ -12,22 +16,27 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.config.derived import world_size
+from trainer.config.registry import register_configs
+from trainer.environment import distributed_environment
+
+if TYPE_CHECKING:
+    from trainer.interfaces.strategy import Strategy
+
+__all__ = [
+    "adopt_slurm_environment", "agree_on_run_dir", "configure_worker_logging", "describe_failure",
+    "distributed_environment", "launch", "needs_launch", "worker_main", "world_size",
+]
+
 log = logging.getLogger("trainer")
-
-
-def distributed_environment() -> str | None:
-    """`torchrun` or `slurm` when this process is already one of the workers, else None."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return "torchrun"
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return "slurm"
-    return None
 
 
 def adopt_slurm_environment() -> None:
@@ -40,10 +49,6 @@ def adopt_slurm_environment() -> None:
     # The node srun was started from hosts the store; MASTER_ADDR/PORT may be exported by the batch script.
     env.setdefault("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
     env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-
-
-def world_size(cfg: DictConfig) -> int:
-    return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
 
 
 def needs_launch(cfg: DictConfig) -> bool:
@@ -69,18 +74,17 @@ def configure_worker_logging(rank: int, run_dir: Path) -> None:
 
 
 @record
-def worker_main(cfg: DictConfig, run_dir: str) -> None:
-    """Entry point of each launched worker (a picklable, module-level function)."""
-    from trainer.config import register_configs
-    from trainer.run import train
-
+def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path], Any]) -> None:
+    """Entry point of each launched worker (a picklable, module-level function): `train` is pickled by
+    name (trainer.run.train) and imported again in the worker."""
     register_configs()
     configure_worker_logging(int(os.environ.get("RANK", "0")), Path(run_dir))
     train(cfg, Path(run_dir))
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> None:
-    """Start trainer.devices workers on this node (and rendezvous with the other nodes)."""
+def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], Any]) -> None:
+    """Start trainer.devices workers on this node (and rendezvous with the other nodes), each running
+    `train(cfg, run_dir)` (trainer.run.train; a module-level function, so the workers can import it)."""
     t = cfg.trainer
     nodes = int(t.num_nodes)
     if nodes > 1:
@@ -114,7 +118,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> None:
     OmegaConf.resolve(resolved)
     log.info(f"launching {int(t.devices)} worker(s) on this node ({nodes} node(s), "
              f"{world_size(cfg)} processes, {threads} thread(s) each)")
-    elastic_launch(config, worker_main)(resolved, str(run_dir))
+    elastic_launch(config, worker_main)(resolved, str(run_dir), train)
 
 
 def describe_failure(error: ChildFailedError) -> str:
@@ -129,15 +133,13 @@ def describe_failure(error: ChildFailedError) -> str:
     return f"rank {rank} failed: {text}"
 
 
-def agree_on_run_dir(strategy: object, run_dir: Path) -> Path:
+def agree_on_run_dir(strategy: "Strategy", run_dir: Path) -> Path:
     """Under torchrun every rank's Hydra made its own timestamped directory: use rank 0's.
 
-    A rank's own directory is removed when it holds nothing but Hydra's bookkeeping.
+    A rank's own directory is removed when it holds nothing but Hydra's bookkeeping. (A single process
+    keeps its own: `Strategy.broadcast_object` returns the value unchanged.)
     """
-    broadcast = getattr(strategy, "broadcast_object", None)
-    if broadcast is None:
-        return run_dir
-    agreed = Path(broadcast(str(run_dir)))
+    agreed = Path(strategy.broadcast_object(str(run_dir)))
     if agreed != run_dir and run_dir.exists():
         leftovers = {p.name for p in run_dir.iterdir()} - {".hydra", "train.log"}
         if not leftovers:

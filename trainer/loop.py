@@ -1,8 +1,8 @@
 """The training loop: Lightning-style `Trainer.fit`, short enough to read top to bottom.
 
 Everything that depends on the topology (how the forward/backward runs, how losses and norms are
-reduced) is the strategy's; everything that depends on the number format is the precision plugin's.
-The loop only sequences them and reports.
+reduced) is the strategy's; the number format is the precision plugin's, which the strategy owns and
+calls. The loop only sequences the strategy's hooks and the callbacks, and reports.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from trainer.plugins.precision import Precision
-from trainer.plugins.strategies import Strategy
 from trainer.callback import Callback
-from trainer.config import TrainerConfig
+from trainer.config.schema import TrainerConfig
+from trainer.interfaces.precision import Precision
+from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
 from trainer.memory import state_bytes
 
@@ -35,7 +35,6 @@ class Trainer:
         *,
         config: TrainerConfig,
         strategy: Strategy,
-        precision: Precision,
         model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -52,11 +51,8 @@ class Trainer:
     ) -> None:
         self.config = config
         self.strategy = strategy
-        self.precision = precision
         self.model_parts = model_parts
-        self.optimizer = optimizer
-        # bf16_true: fp32 master copies go into the optimizer before anything steps or loads it.
-        precision.setup_optimizer(optimizer)
+        self.optimizer = optimizer  # built by the strategy, which also handed it to the precision plugin
         self.scheduler = scheduler
         self.train_loader = train_loader
         self.val_set = val_set
@@ -69,7 +65,8 @@ class Trainer:
         self.loggers = list(loggers)
         self.run_dir = run_dir  # shared by all ranks
 
-        self.step = 0  # optimizer steps taken (restored by a checkpoint)
+        self.step = 0  # training steps taken, skipped updates included (restored by a checkpoint)
+        self.optimizer_steps = 0  # of which the optimizer really updated the weights
         self.start_step = 0
         self.tokens_seen = 0
         self.logged_metrics: dict[str, float] = {}
@@ -94,6 +91,11 @@ class Trainer:
     def is_global_zero(self) -> bool:
         return self.strategy.is_global_zero
 
+    @property
+    def precision(self) -> Precision:
+        """The strategy's precision plugin (callbacks and checkpoints read its state)."""
+        return self.strategy.precision
+
     # ---- checkpointed state (tensors are the checkpoint module's; this is the rest) -------------------
     def _read_loader_state(self) -> dict[str, Any] | None:
         state_dict = getattr(self.train_loader, "state_dict", None)
@@ -104,6 +106,7 @@ class Trainer:
         a resumed run reports its own throughput)."""
         return {
             "step": self.step,
+            "optimizer_steps": self.optimizer_steps,
             "tokens_seen": self.tokens_seen,
             "last_train_loss": self.last_train_loss,
             "val_history": [list(entry) for entry in self.val_history],
@@ -112,6 +115,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.optimizer_steps = int(state.get("optimizer_steps", self.step))
         self.tokens_seen = int(state["tokens_seen"])
         self.last_train_loss = float(state.get("last_train_loss", math.nan))
         self.val_history = [(int(step), float(loss)) for step, loss in state.get("val_history", [])]
@@ -158,24 +162,29 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses
 
         loss = self.strategy.forward_backward(
-            self.model_parts, microbatches, self.precision,
-            on_before_backward=lambda loss: self._call("on_before_backward", loss),
+            self.model_parts, microbatches, on_before_backward=lambda loss: self._call("on_before_backward", loss),
         )
         self._call("on_after_backward")
         backward_end = time.perf_counter()
         # fp16: unscale, check for inf/nan on every rank and agree whether this step is skipped.
-        self.precision.unscale_gradients(self.optimizer, self.model_parts)
+        self.strategy.unscale_gradients(self.optimizer, self.model_parts)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
         # A callback (the loss-spike stabilizer) may veto this update by setting skip_step; it must
         # decide the same on every rank.
         self.step_outputs = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
         self.skip_step = False
         self._call("on_before_optimizer_step", self.optimizer)
-        stepped = not self.skip_step and self.strategy.optimizer_step(self.optimizer, self.precision)
-        if self.state_bytes is None:  # first step: gradients and optimizer states now exist
-            self.state_bytes = state_bytes(self.model_parts, self.optimizer)
-            log.info("state held per rank: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.state_bytes.items()))
-        self.scheduler.step()
+        stepped = not self.skip_step and self.strategy.optimizer_step(self.optimizer)
+        if stepped:
+            # A skipped update (fp16 overflow, a callback's veto) is no optimizer step: the schedule
+            # stays where it is and the state report waits for an update that created the states.
+            self.scheduler.step()
+            self.optimizer_steps += 1
+            if self.state_bytes is None:
+                stand_ins = [stand_in for _, stand_in in self.strategy.optimizer_tensor_pairs()]
+                self.state_bytes = state_bytes(self.model_parts, self.optimizer, stand_ins)
+                log.info("state held per rank: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
+                                                            for k, v in self.state_bytes.items()))
         self.strategy.zero_grad(self.model_parts, self.optimizer)
 
         self.step += 1
@@ -192,7 +201,7 @@ class Trainer:
         self._call("on_train_batch_end", outputs)
 
     def validate(self) -> float:
-        val_loss = self.strategy.evaluate(self.model_parts, self.val_set, self.precision)
+        val_loss = self.strategy.evaluate(self.model_parts, self.val_set)
         self.val_history.append((self.step, val_loss))
         self.log({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
         self._call("on_validation_end")
@@ -242,6 +251,7 @@ class Trainer:
             "best_val_loss": min(val_losses) if val_losses else None,
             "final_train_loss": self.last_train_loss,
             "steps": self.step,
+            "optimizer_steps": self.optimizer_steps,  # steps minus skipped updates
             "tokens": self.tokens_seen,
             "wall_s": wall_s,
             "train_s": self.train_time_s,

@@ -25,13 +25,34 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """{params, grads, optimizer} bytes held by this rank (measured while gradients exist)."""
+def _storage(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return 0 if local.device.type == "meta" else local.untyped_storage().data_ptr()
+
+
+def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimizer,
+                stand_ins: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """{params, grads, optimizer} bytes held by this rank (measured while gradients exist).
+
+    `optimizer` counts the states and the tensors the optimizer steps in place of parameters that are
+    copies, not views, of them (bf16_true's fp32 master weights); ZeRO-1's sharded views share their
+    parameter's storage and are not counted again. `grads` counts the parameters' gradients and those the
+    stepped tensors or the strategy's `stand_ins` hold in storage of their own (ZeRO-2's partition). On a
+    GPU, `host` is the part of those bytes in host memory (offloaded)."""
     params = [p for part in model_parts for p in part.parameters()]
     states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return {
-        "params": _bytes(params),
-        "grads": _bytes(p.grad for p in params if p.grad is not None),
-        # scalar step counters are bookkeeping, not the states the ZeRO formulas count
-        "optimizer": _bytes(v for v in states if v.dim() > 0),
-    }
+    param_storages = {_storage(p) for p in params}
+    stepped = [t for group in optimizer.param_groups for t in group["params"]]
+    copies = [t for t in stepped if _storage(t) not in param_storages]
+    grads = [p.grad for p in params if p.grad is not None]
+    # gradients the optimizer's tensors hold in storage of their own (ZeRO-2's reduce-scattered rows)
+    grad_storages = {_storage(g) for g in grads}
+    grads += [t.grad for t in [*stepped, *stand_ins] if t.grad is not None and _storage(t.grad) not in grad_storages]
+    kinds = {"params": params, "grads": grads,
+             # scalar step counters are bookkeeping, not the states the ZeRO formulas count
+             "optimizer": [v for v in states if v.dim() > 0] + copies}
+    held = {kind: _bytes(tensors) for kind, tensors in kinds.items()}
+    if any(_local(p).device.type == "cuda" for p in params):
+        # offloaded states (FSDP's CPUOffloadPolicy, ZeRO-Offload's optimizer) sit in host memory
+        held["host"] = sum(_bytes(t for t in tensors if _local(t).device.type == "cpu") for tensors in kinds.values())
+    return held

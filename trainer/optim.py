@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "AdamWConfig",
     "SGDConfig",
+    "SCHEMAS",
     "param_groups",
     "build_optimizer",
     "optimizer_from_config",
@@ -73,6 +74,11 @@ class SGDConfig:
     nesterov: bool = False
     # L2 penalty added to the gradient, applied only to the "decay" parameter group.
     weight_decay: float = 0.0
+
+
+# Schema of each optimizer, registered in Hydra's ConfigStore as `<name>_schema` by
+# trainer.config.register_configs (conf/optimizer/*.yaml names it in its defaults list).
+SCHEMAS: dict[str, type] = {"adamw": AdamWConfig, "sgd": SGDConfig}
 
 
 # ---------------------------------------------------------------------------
@@ -196,3 +202,64 @@ def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torc
     """Build an optimizer from an ``optimizer`` config node (e.g. ``adamw.yaml``)."""
     factory, weight_decay = optimizer_factory_from_config(cfg)
     return build_optimizer(factory, modules, weight_decay)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _copy_of(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | None, pin: bool = False) -> torch.Tensor:
+    """A copy of `tensor` in `dtype` on `device` (None: where it is), in the same DTensor layout. With `pin`,
+    a copy in host memory of a CUDA tensor is pinned, so its transfers run at full speed."""
+    from torch.distributed.tensor import DTensor
+
+    local = _local(tensor.detach())
+    copy = local.to(device=device or local.device, dtype=dtype, copy=True)
+    if pin and copy.device.type == "cpu" and local.device.type == "cuda":
+        copy = copy.pin_memory()
+    if isinstance(tensor, DTensor):
+        return DTensor.from_local(copy, tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
+    return copy
+
+
+class SteppedCopies:
+    """Copies of the tensors an optimizer updates, stepped in their place: fp32 master weights of
+    lower-precision parameters (`dtype=torch.float32`), and/or copies in host memory (`device=cpu`,
+    ZeRO-Offload: the optimizer's states then live, and its step runs, in host memory).
+
+    Installed by replacing the optimizer's parameter-group entries before its first step (its state is
+    still empty then). Works for whatever tensors the strategy gave the optimizer: parameters, FSDP or
+    tensor-parallel DTensor shards, ZeRO's sharded row views. Each step copies the gradients to the
+    copies, steps, and writes the results back (rounded to the tensors' dtype).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        if optimizer.state:
+            raise RuntimeError("stepped copies must be installed before the optimizer's first step")
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for group in optimizer.param_groups:
+            copies = []
+            for tensor in group["params"]:
+                copy = _copy_of(tensor, dtype or tensor.dtype, device, pin=True)
+                self.pairs.append((tensor, copy))
+                copies.append(copy)
+            group["params"] = copies
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for tensor, copy in self.pairs:
+            # A tensor whose value is no longer its copy's rounding was written from outside (init_from,
+            # a checkpoint saved without the copies): its copy restarts from it. Local shards only, so no
+            # collective is needed (each rank refreshes what it holds).
+            local, local_copy = _local(tensor), _local(copy)
+            if not torch.equal(local_copy.to(local.device, local.dtype), local):
+                local_copy.copy_(local)
+            copy.grad = None if tensor.grad is None else _copy_of(tensor.grad, copy.dtype, _local(copy).device)
+        optimizer.step()
+        for tensor, copy in self.pairs:
+            _local(tensor).copy_(_local(copy), non_blocking=True)  # rounds to the tensor's dtype
+            copy.grad = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -115,3 +116,11 @@ def _flattened_names(mesh: DeviceMesh) -> set[str]:
     except (KeyError, RuntimeError, ValueError):
         return set()
     return {"dp"}
+
+
+def shard_rows(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of `tensor` under DTensor's Shard(0) layout (ceil-sized chunks), as a view."""
+    rows = tensor.shape[0]
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return tensor[start:min(start + chunk, rows)]

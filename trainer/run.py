@@ -58,14 +58,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     reset_peak_memory(strategy.device)  # this run's peak, also when a sweep runs jobs in one process
     run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
-    precision = instantiate(cfg.precision)
+    strategy.connect_precision(instantiate(cfg.precision))
     seed_everything(t.seed, verbose=False)
 
     # Built on the meta device: nothing is allocated until the strategy has placed it.
     model = build_meta_model(OmegaConf.to_object(cfg.model))
     num_params = model.num_params()
     flops_per_token = model.flops_per_token(t.seq_len)
-    model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), precision, t.compile)
+    model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), t.compile)
 
     optimizer = strategy.build_optimizer(cfg.optimizer, model_parts)
     steps = total_steps(cfg)
@@ -87,7 +87,6 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     trainer = Trainer(
         config=OmegaConf.to_object(t),
         strategy=strategy,
-        precision=precision,
         model_parts=model_parts,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -97,7 +96,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         tokens_per_step=tokens_per_step(cfg),
         num_params=num_params,
         flops_per_token=flops_per_token,
-        peak_flops=t.peak_flops or peak_flops(strategy.device, precision.compute_dtype),
+        peak_flops=t.peak_flops or peak_flops(strategy.device, strategy.precision.compute_dtype),
         callbacks=[instantiate(node) for node in cfg.callbacks.values()],
         loggers=loggers,
         run_dir=run_dir,

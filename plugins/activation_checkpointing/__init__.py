@@ -1,10 +1,7 @@
 """Activation-checkpointing policies, applied per transformer block before data-parallel wrapping."""
 
-from trainer.plugins.activation_checkpointing.base import (
-    ActivationCheckpointing,
-    NoCheckpointing,
-    NoCheckpointingConfig,
-)
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+from trainer.plugins.activation_checkpointing.none import NoCheckpointing, NoCheckpointingConfig
 from trainer.plugins.activation_checkpointing.offload import ActivationOffloading, ActivationOffloadingConfig
 from trainer.plugins.activation_checkpointing.recompute import (
     SELECTIVE_SAVE_OPS,
@@ -28,11 +25,12 @@ ACTIVATION_CHECKPOINTING_SCHEMAS: dict[str, type] = {
     "attention": AttentionCheckpointingConfig,
     "offload": ActivationOffloadingConfig,
 }
+SCHEMAS = ACTIVATION_CHECKPOINTING_SCHEMAS  # the name every config family exports (trainer.config.registry)
 
 __all__ = [
     "ActivationCheckpointing", "NoCheckpointing", "NoCheckpointingConfig",
     "FullCheckpointing", "FullCheckpointingConfig", "EveryNthCheckpointing", "EveryNthCheckpointingConfig",
     "SelectiveCheckpointing", "SelectiveCheckpointingConfig", "AttentionCheckpointing",
     "AttentionCheckpointingConfig", "ActivationOffloading", "ActivationOffloadingConfig",
-    "ACTIVATION_CHECKPOINTING_SCHEMAS", "SELECTIVE_SAVE_OPS",
+    "ACTIVATION_CHECKPOINTING_SCHEMAS", "SCHEMAS", "SELECTIVE_SAVE_OPS",
 ]

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from trainer.plugins.activation_checkpointing.base import ActivationCheckpointing
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 
 log = logging.getLogger("trainer")
 

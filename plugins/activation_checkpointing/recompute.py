@@ -32,7 +32,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from trainer.plugins.activation_checkpointing.base import ActivationCheckpointing
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 
 CORE_ATTENTION = "core_attention"
 
@@ -93,6 +93,10 @@ class EveryNthCheckpointing(ActivationCheckpointing):
             raise ValueError(f"every_n needs n >= 1 (n=1 checkpoints every block, as `full`), got n={n}")
         self.n = n
 
+    @property
+    def checkpoint_every_n(self) -> int:
+        return self.n
+
     def check_model(self, num_layers: int) -> None:
         if self.n > num_layers:
             raise ValueError(f"every_n with n={self.n} checkpoints no block of a {num_layers}-layer model: "
@@ -121,7 +125,7 @@ class SelectiveCheckpointing(ActivationCheckpointing):
     def check_strategy(self, strategy: Any) -> None:
         # The zero-bubble schedule runs each stage's backward twice (input gradients, then weight gradients,
         # two autograd passes over one forward); torch's selective-checkpoint cache serves one backward only.
-        if getattr(strategy, "schedule_name", None) == "zero_bubble":
+        if strategy.pipeline_schedule == "zero_bubble":
             raise ValueError("activation_checkpointing=selective cannot run under strategy.schedule=zero_bubble "
                              "(its split backward passes twice over each checkpointed region, which torch's "
                              "selective checkpointing does not support): pick activation_checkpointing=full, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.callback import Callback
@@ -75,3 +76,10 @@ class ProgressBar(Callback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+@dataclass
+class ProgressBarConfig:
+    """Rank-0 progress: a live bar on a terminal, one line per logged step otherwise."""
+
+    _target_: str = "trainer.plugins.callbacks.ProgressBar"

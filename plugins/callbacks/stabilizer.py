@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.plugins.precision import Precision
 from trainer.callback import Callback
 
 if TYPE_CHECKING:
@@ -250,7 +249,7 @@ class LossSpikeStabilizer(Callback):
         local: dict[str, Detection] = {}
         # With a loss scaler (fp16), overflowing gradients are routine: the precision plugin skips
         # that step and lowers the scale itself, so they are not events here.
-        scaler_owns_overflow = type(trainer.precision).scale_loss is not Precision.scale_loss
+        scaler_owns_overflow = trainer.precision.skips_nonfinite_steps
         if self.check_nonfinite and not math.isfinite(loss):
             local["nonfinite_loss"] = Detection(loss)
         if self.check_nonfinite and not math.isfinite(grad_norm) and not scaler_owns_overflow:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import netrc
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
@@ -34,8 +35,14 @@ def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
         """Lightning's CSVLogger writes one row per call; the loop, the monitors and validation each log
         a step's metrics in their own call, so calls for the step of the last row are merged into it."""
 
+        last_step: int | None = None
+
         def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
             rows = self.experiment.metrics
+            if step is not None and self.last_step is not None and step < self.last_step:
+                self._drop_rows_from(step)  # a rollback replays steps: their rows are redone
+            if step is not None:
+                self.last_step = step
             if previous_rows:
                 first_step = step if step is not None else 0
                 rows[:0] = [row for row in previous_rows if row.get("step", "").isdigit()
@@ -48,6 +55,21 @@ def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
             if len(rows) >= self._flush_logs_every_n_steps:
                 self.save()
             self.experiment.log_metrics(metrics, step)
+
+        def _drop_rows_from(self, step: int) -> None:
+            """Forget the rows of `step` and later, in memory and in the file already written."""
+            writer = self.experiment
+            writer.metrics[:] = [row for row in writer.metrics if int(row.get("step", -1)) < step]
+            path = Path(writer.metrics_file_path)
+            if not path.is_file():
+                return
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                fields, kept = reader.fieldnames or [], [row for row in reader if int(row["step"]) < step]
+            with open(path, "w", newline="") as f:
+                out = csv.DictWriter(f, fieldnames=fields)
+                out.writeheader()
+                out.writerows(kept)
 
     # The run directory already holds config.yaml and the log; Lightning would warn about that.
     warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
@@ -95,3 +117,49 @@ def wandb_logger(
         tags=list(tags or []),
         save_dir=str(run_dir),
     )
+
+
+# ---- schemas (the `logger` group) ----------------------------------------------------------------------
+@dataclass
+class CSVLoggerConfig:
+    """`metrics.csv` in the run directory (always written, whatever else is configured)."""
+
+    _target_: str = "trainer.plugins.loggers.csv_logger"
+    _partial_: bool = True
+    # Rows are buffered and written every N logged steps (and at the end).
+    flush_logs_every_n_steps: int = 10
+
+
+@dataclass
+class WandbLoggerConfig:
+    """Weights & Biases; offline (files under the run directory) unless an API key is configured."""
+
+    _target_: str = "trainer.plugins.loggers.wandb_logger"
+    _partial_: bool = True
+    project: str = "trainer"
+    # Runs of one sweep share a group (the sweep directory name by default).
+    group: Optional[str] = None
+    # Run name (default: the run directory name).
+    name: Optional[str] = None
+    entity: Optional[str] = None
+    # None: online only when WANDB_API_KEY or a netrc login exists; true/false forces it.
+    offline: Optional[bool] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """TensorBoard event files under `<run_dir>/tensorboard`."""
+
+    _target_: str = "trainer.plugins.loggers.tensorboard_logger"
+    _partial_: bool = True
+    subdir: str = "tensorboard"
+
+
+# Schema of each logger option, registered in Hydra's ConfigStore as `<name>_schema` under the package
+# `logger.<name>` (`logger=[csv,wandb]` composes them side by side).
+SCHEMAS: dict[str, type] = {
+    "csv": CSVLoggerConfig,
+    "wandb": WandbLoggerConfig,
+    "tensorboard": TensorBoardLoggerConfig,
+}

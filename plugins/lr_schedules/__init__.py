@@ -7,6 +7,7 @@ Build one from the ``lr_schedule`` config group::
 """
 
 from .configs import (
+    SCHEMAS,
     ConstantScheduleConfig,
     CosineScheduleConfig,
     InverseSqrtScheduleConfig,
@@ -36,4 +37,5 @@ __all__ = [
     "LinearScheduleConfig",
     "WSDScheduleConfig",
     "InverseSqrtScheduleConfig",
+    "SCHEMAS",
 ]

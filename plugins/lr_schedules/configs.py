@@ -3,8 +3,10 @@
 Each schema mirrors the constructor of its schedule minus ``total_steps``,
 which the trainer supplies once it knows the run length
 (``instantiate(cfg)(total_steps=N)``); hence ``_partial_`` defaults to True.
-They are registered in Hydra's ConfigStore as ``<name>_schema`` elsewhere and
-pulled in by the ``defaults`` list of ``conf/lr_schedule/<name>.yaml``.
+``SCHEMAS`` (at the end) maps each option name to its schema; ``trainer.config.register_configs``
+stores every entry in Hydra's ConfigStore as ``<name>_schema``, which the ``defaults`` list of
+``conf/lr_schedule/<name>.yaml`` pulls in. A new schedule needs its class, its schema here (listed in
+``SCHEMAS``) and that YAML file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from .schedules import DecayShape
 
 __all__ = [
+    "SCHEMAS",
     "ConstantScheduleConfig",
     "CosineScheduleConfig",
     "LinearScheduleConfig",
@@ -89,3 +92,13 @@ class InverseSqrtScheduleConfig:
     # Decay timescale tau in sqrt(tau / (tau + step - max(warmup_steps - 1, 0))), > 0;
     # null means max(warmup_steps, 1), i.e. the classic sqrt(warmup_steps / (step + 1)).
     timescale: float | None = None
+
+
+# Option name (`lr_schedule=NAME`) -> schema.
+SCHEMAS: dict[str, type] = {
+    "constant": ConstantScheduleConfig,
+    "cosine": CosineScheduleConfig,
+    "linear": LinearScheduleConfig,
+    "wsd": WSDScheduleConfig,
+    "inverse_sqrt": InverseSqrtScheduleConfig,
+}

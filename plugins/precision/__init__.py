@@ -4,9 +4,9 @@
 optional fp32 master copy in the optimizer), `fp16` (fp16 autocast with dynamic loss scaling).
 """
 
-from trainer.plugins.precision.base import DTYPES, FP32Precision, Precision
+from trainer.interfaces.precision import DTYPES, Precision
+from trainer.plugins.precision.fp32 import FP32Precision
 from trainer.plugins.precision.bf16_true import BF16True, FP32MasterWeights
-from trainer.plugins.precision.compat import check_precision_strategy
 from trainer.plugins.precision.configs import (
     PRECISION_SCHEMAS,
     BF16MixedConfig,
@@ -17,8 +17,10 @@ from trainer.plugins.precision.configs import (
 from trainer.plugins.precision.mixed import BF16Mixed, FP16Mixed, MixedPrecision
 from trainer.plugins.precision.scaler import DynamicLossScaler
 
+SCHEMAS = PRECISION_SCHEMAS  # the name every config family exports (trainer.config.registry)
+
 __all__ = [
     "Precision", "FP32Precision", "MixedPrecision", "BF16Mixed", "FP16Mixed", "BF16True", "FP32MasterWeights",
-    "DynamicLossScaler", "check_precision_strategy", "DTYPES", "PRECISION_SCHEMAS",
+    "DynamicLossScaler", "DTYPES", "PRECISION_SCHEMAS", "SCHEMAS",
     "FP32PrecisionConfig", "BF16MixedConfig", "BF16TrueConfig", "FP16MixedConfig",
 ]

@@ -11,6 +11,8 @@ autocast keeps in fp32 (softmax, norms of the loss) do so under every strategy.
 
 from __future__ import annotations
 
+import math
+
 import logging
 from typing import Any, ContextManager, Sequence
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from trainer.plugins.precision.base import DTYPE_NAMES, Precision, dtype_from_name, gradients
+from trainer.interfaces.precision import DTYPE_NAMES, Precision, dtype_from_name, gradients
 from trainer.plugins.precision.scaler import DynamicLossScaler, agree_on_overflow, unscale_and_check_
 
 log = logging.getLogger("trainer")
@@ -60,11 +62,17 @@ class FP16Mixed(MixedPrecision):
 
     name = "fp16"
     compute_dtype = torch.float16
+    skips_nonfinite_steps = True
 
     def __init__(self, reduce_dtype: str = "fp32", initial_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: float = 1.0) -> None:
         super().__init__(reduce_dtype=reduce_dtype)
+        # A power of two scales and unscales exactly (only the exponent changes); any other value rounds
+        # every gradient twice.
+        if not (initial_scale > 0 and math.isfinite(initial_scale) and math.log2(initial_scale).is_integer()):
+            raise ValueError(f"precision.initial_scale must be a power of two (2**k: scaling is then exact), "
+                             f"got {initial_scale:g}; e.g. {2.0 ** round(math.log2(initial_scale)) if initial_scale > 0 else 65536:g}")
         self.scaler = DynamicLossScaler(initial_scale=initial_scale, growth_factor=growth_factor,
                                         backoff_factor=backoff_factor, growth_interval=growth_interval,
                                         hysteresis=hysteresis, min_scale=min_scale)
@@ -90,7 +98,7 @@ class FP16Mixed(MixedPrecision):
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         if self.found_inf:
             return False
-        optimizer.step()
+        self.step(optimizer)
         return True
 
     def metrics(self) -> dict[str, float]:

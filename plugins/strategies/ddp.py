@@ -11,13 +11,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.plugins.precision import Precision
-from trainer.plugins.strategies.base import MicroBatch
-from trainer.plugins.strategies.distributed import DistributedStrategy
+from trainer.interfaces.precision import DTYPE_NAMES, Precision
+from trainer.interfaces.strategy import MicroBatch
 from trainer.optim import optimizer_factory_from_config, param_groups
+from trainer.parallel_dims import shard_rows
+from trainer.plugins.strategies.distributed import DistributedStrategy
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -52,16 +54,22 @@ class DDP(DistributedStrategy):
     """
 
     name = "ddp"
+    # Whether the optimizer states are partitioned (ZeRO-1), and so can be offloaded on their own.
+    shards_optimizer_states = False
 
     def __init__(self, bucket_cap_mb: float = 25.0, comm_hook: str = "none", powersgd_rank: int = 1,
                  powersgd_start_iter: int = 2, gradient_as_bucket_view: bool = True, offload_params: bool = False,
                  offload_optimizer: bool = False, init: str = "auto", name: str | None = None) -> None:
         super().__init__(init=init, name=name)
-        if offload_params or offload_optimizer:
+        if offload_params:
             raise ValueError(
-                f"strategy={self.name} cannot offload: every rank keeps the whole model and its optimizer "
-                "in device memory by design; offloading is an option of zero2, zero3 and fsdp"
-            )
+                f"strategy={self.name} cannot offload parameters: every rank keeps the whole model in device "
+                "memory by design; parameters are offloaded by zero3 and fsdp (strategy.offload_params=true)")
+        if offload_optimizer and not self.shards_optimizer_states:
+            raise ValueError(
+                f"strategy={self.name} cannot offload the optimizer: every rank holds all of its states; "
+                "zero1, zero2, zero3 and fsdp offload their partition (strategy.offload_optimizer=true)")
+        self.offload_optimizer = offload_optimizer
         if comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be one of {', '.join(COMM_HOOKS)}, got {comm_hook!r}")
         self.bucket_cap_mb = bucket_cap_mb
@@ -75,17 +83,29 @@ class DDP(DistributedStrategy):
             raise ValueError("comm_hook=bf16 needs CUDA with NCCL >= 2.10 (torch's bf16_compress_hook); "
                              "on CPU use comm_hook=fp16 or powersgd")
 
+    def check_reduce_dtype(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        # DistributedDataParallel all-reduces each gradient in the gradient's own dtype (only a comm hook
+        # changes that): another reduce_dtype would be silently ignored.
+        hooks = {torch.bfloat16: " (or strategy.comm_hook=bf16, CUDA only)", torch.float16: " (or strategy.comm_hook=fp16)"}
+        raise ValueError(
+            f"all-reduces the {DTYPE_NAMES[grad_dtype]} gradients in their own dtype and cannot honour it; set "
+            f"precision.reduce_dtype={DTYPE_NAMES[grad_dtype]}{hooks.get(reduce_dtype, '')}, or pick strategy=zero2, "
+            "zero3 or fsdp, whose FSDP2 mixed-precision policy reduces in the requested dtype")
+
+    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp), "dp_flavour": "ddp" if dp > 1 else "none",
+                "comm_hook": self.comm_hook, "bucket_cap_mb": float(self.bucket_cap_mb)}
+
     def full_init(self, model: nn.Module) -> bool:
         return True  # every rank holds the full model anyway; DDP also broadcasts rank 0's weights
 
-    def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         return wrap_ddp(model, self.dims.dp_mesh().get_group(), self.device,  # type: ignore[union-attr]
                         bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
                         comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
                         powersgd_start_iter=self.powersgd_start_iter)
 
     def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
-                         precision: Precision,
                          on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         (ddp,) = model_parts
         total = torch.zeros((), device=self.device)
@@ -94,17 +114,8 @@ class DDP(DistributedStrategy):
             # all-reduce only once the last micro-batch's gradient has been accumulated
             sync = contextlib.nullcontext() if index == last else ddp.no_sync()  # type: ignore[operator]
             with sync:
-                total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), precision,
-                                                  on_before_backward)
+                total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), on_before_backward)
         return total
-
-
-def shard_rows(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of `tensor` under DTensor's Shard(0) layout (ceil-sized chunks), as a view."""
-    rows = tensor.shape[0]
-    chunk = -(-rows // world)
-    start = min(rank * chunk, rows)
-    return tensor[start:min(start + chunk, rows)]
 
 
 def _chunk_numel(param: torch.Tensor, world: int) -> int:
@@ -118,7 +129,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedOptimizerStates:
-    """ZeRO-1 optimizer: states partitioned evenly over the data-parallel ranks (mix into a strategy).
+    """ZeRO-1 optimizer states: partitioned evenly over the ranks of `mesh` (a strategy holds one).
 
     Each rank's optimizer steps a Shard(0) DTensor *view* of every parameter (its rows, in place), so
     optimizer states are split element-wise within padding, as in the ZeRO paper, whatever the
@@ -128,15 +139,13 @@ class ShardedOptimizerStates:
     TP shard.
     """
 
-    dims: Any
-    device: torch.device
+    def __init__(self, mesh: DeviceMesh, device: torch.device) -> None:
+        self._mesh = mesh
+        self.device = device
+        self._shards: list[tuple[nn.Parameter, DTensor]] = []
 
     def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         factory, weight_decay = optimizer_factory_from_config(optimizer_cfg)
-        mesh = self.dims.dp_mesh()
-        assert mesh is not None
-        self._mesh = mesh
-        self._shards: list[tuple[nn.Parameter, DTensor]] = []
         groups = []
         for group in param_groups(model_parts, weight_decay):
             views = [self._sharded_view(p) for p in group["params"]]
@@ -146,7 +155,7 @@ class ShardedOptimizerStates:
     def optimizer_tensor_pairs(self) -> list[tuple[nn.Parameter, DTensor]]:
         """(parameter, the Shard(0) view of it the optimizer steps): checkpoints name each optimizer
         state after its parameter, so that it can be resharded onto another strategy."""
-        return list(getattr(self, "_shards", []))
+        return list(self._shards)
 
     def _as_shard(self, rows: torch.Tensor, like: torch.Tensor) -> DTensor:
         return DTensor.from_local(rows, self._mesh, [Shard(0)], run_check=False, shape=like.shape,
@@ -159,6 +168,7 @@ class ShardedOptimizerStates:
         return view
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+        """Attach each view's gradient rows, step through `precision` (which may skip), all-gather."""
         rank, world = self._mesh.get_local_rank(), self._mesh.size()
         for param, view in self._shards:  # the all-reduced gradient's rows, as views (no copy)
             grad = None if param.grad is None else _local(param.grad)
@@ -194,10 +204,109 @@ class ShardedOptimizerStates:
             offset += size
 
 
-class ZeRO1(ShardedOptimizerStates, DDP):
+class ShardedGradients(ShardedOptimizerStates):
+    """ZeRO-2 on top of ZeRO-1's partition: gradients too are held only for this rank's rows.
+
+    The backward accumulates plain local gradients over the micro-batches (no communication); once per
+    optimizer step `reduce_scatter_gradients` averages them over the ranks with reduce-scatters into
+    each rank's rows (in buckets of at most `bucket_cap_mb`, in `reduce_dtype` when given) and frees
+    the full gradients, so that between steps a rank holds its partition of the gradients and of the
+    optimizer states, and the whole parameters (Rajbhandari et al. 2020, stage 2). The step and the
+    all-gather of the updated rows are ZeRO-1's.
+    """
+
+    def __init__(self, mesh: DeviceMesh, device: torch.device, bucket_cap_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        super().__init__(mesh, device)
+        self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        self.reduce_dtype = reduce_dtype
+
+    def views(self) -> list[DTensor]:
+        """The tensors holding this rank's gradient rows (what norms and unscaling look at)."""
+        return [view for _, view in self._shards]
+
+    def _buckets(self, world: int) -> list[list[tuple[nn.Parameter, DTensor]]]:
+        buckets: list[list[tuple[nn.Parameter, DTensor]]] = [[]]
+        size = 0
+        for param, view in self._shards:
+            data = _local(param.data)
+            nbytes = world * _chunk_numel(data, world) * data.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((param, view))
+            size += nbytes
+        return buckets
+
+    @torch.no_grad()
+    def reduce_scatter_gradients(self) -> None:
+        """Average the accumulated gradients over the ranks into each rank's rows; free the full ones."""
+        rank, world = self._mesh.get_local_rank(), self._mesh.size()
+        group = self._mesh.get_group()
+        for bucket in self._buckets(world):
+            datas = [_local(param.data) for param, _ in bucket]
+            sizes = [_chunk_numel(data, world) for data in datas]
+            dtype = self.reduce_dtype or datas[0].dtype
+            # row r of `send` holds every parameter's r-th chunk (its rows under Shard(0)), zero-padded
+            send = torch.zeros(world, sum(sizes), dtype=dtype, device=self.device)
+            offset = 0
+            for (param, _), data, size in zip(bucket, datas, sizes):
+                if param.grad is not None:
+                    flat = _local(param.grad).reshape(-1)
+                    padded = torch.zeros(world * size, dtype=dtype, device=self.device)
+                    padded[:flat.numel()] = flat
+                    send[:, offset:offset + size] = padded.view(world, size)
+                offset += size
+            send.div_(world)  # the mean over ranks, as DDP divides before its all-reduce
+            received = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            dist.reduce_scatter_tensor(received, send.view(-1), op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for (param, view), data, size in zip(bucket, datas, sizes):
+                rows = shard_rows(data, rank, world)
+                grad = received[offset:offset + rows.numel()].view(rows.shape).to(data.dtype)
+                view.grad = self._as_shard(grad, data)  # views of `received`: exactly this rank's rows
+                param.grad = None
+                offset += size
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+        """The gradient rows are already attached (`reduce_scatter_gradients`): step, then all-gather."""
+        stepped = precision.optimizer_step(optimizer)
+        if stepped:
+            self._gather_updated_rows()
+        return stepped
+
+
+class ZeRO1(DDP):
     """ZeRO stage 1: DDP for gradients, optimizer states partitioned over the data-parallel ranks."""
 
     name = "zero1"
+
+    def __init__(self, **ddp_options: Any) -> None:
+        super().__init__(**ddp_options)
+        self.sharded_states: ShardedOptimizerStates | None = None
+
+    shards_optimizer_states = True
+
+    @property
+    def optimizer_host(self) -> torch.device | None:
+        # ZeRO-Offload: this rank's partition of the optimizer states (and fp32 masters) in host memory,
+        # stepped there; on a CPU run the copies sit in the same memory (nothing saved, the GPU path)
+        return torch.device("cpu") if self.offload_optimizer else None
+
+    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp), "dp_flavour": "zero1" if dp > 1 else "none",
+                "offload_optimizer": self.offload_optimizer}
+
+    def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
+        self.sharded_states = ShardedOptimizerStates(self.dims.dp_mesh(), self.device)  # type: ignore[arg-type]
+        return self.sharded_states.build_optimizer(optimizer_cfg, model_parts)
+
+    def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.sharded_states.optimizer_tensor_pairs() if self.sharded_states is not None else []
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        assert self.sharded_states is not None, "build_optimizer() first"
+        return self.sharded_states.optimizer_step(optimizer, self.precision)
 
 
 @dataclass
@@ -215,8 +324,9 @@ class DDPConfig:
     powersgd_start_iter: int = 2
     # Let gradients alias the communication buckets (saves one gradient-sized copy).
     gradient_as_bucket_view: bool = True
-    # ddp keeps the whole model on every rank: offloading has nothing to move. Listed so that asking for
-    # it is refused with an explanation rather than an unknown-key error.
+    # ddp keeps the whole model and optimizer on every rank: it refuses both (listed so that asking gets an
+    # explanation rather than an unknown-key error); zero1 takes offload_optimizer (ZeRO-Offload: its
+    # partition of the optimizer states in host memory, stepped there).
     offload_params: bool = False
     offload_optimizer: bool = False
 

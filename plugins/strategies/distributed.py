@@ -12,9 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from trainer.plugins.activation_checkpointing import ActivationCheckpointing
-from trainer.plugins.precision import Precision
-from trainer.plugins.strategies.base import Strategy, compile_blocks
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+from trainer.interfaces.strategy import Strategy, compile_blocks
 from trainer.parallel_dims import ParallelDims
 
 log = logging.getLogger("trainer")
@@ -53,13 +52,12 @@ class DistributedStrategy(Strategy):
             raise ValueError(f"init must be auto, full or sharded, got {init!r}")
         self.init = init
         self.name = name or self.name  # zero2/zero3 are fsdp configurations with their own name
-        self.parallel_dims: ParallelDims | None = None
         self._owns_process_group = False
 
     # ---- topology -----------------------------------------------------------------------------------
-    def data_parallel_split(self, dp: int) -> tuple[int, int]:
-        """(dp_replicate, dp_shard) for `dp` data-parallel ranks; replication unless overridden."""
-        return dp, 1
+    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+        replicate, shard = self.data_parallel_split(dp) if self.uses_dp else (1, 1)
+        return {**super().planner_layout(dp, tp, pp), "dp_replicate": replicate, "dp_shard": shard}
 
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
                           pp: int = 1) -> None:
@@ -104,13 +102,12 @@ class DistributedStrategy(Strategy):
         with torch.no_grad():
             model.init_weights()  # type: ignore[operator]
 
-    def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         """Apply the data-parallel wrapper (DDP, fully_shard...). Identity by default."""
-        del precision
         return model
 
     def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
-                    precision: Precision, compile: bool) -> list[nn.Module]:
+                    compile: bool) -> list[nn.Module]:
         # Pipeline parallelism first cuts the (meta) model into this rank's stages; every part then goes
         # through the same fixed order:
         # 1. tensor parallel (the model-parallel strategies shard Linear weights here),
@@ -120,20 +117,20 @@ class DistributedStrategy(Strategy):
         # Weights are initialized in full before wrapping when they fit (`init=full`), which gives
         # bitwise the same initial weights as a single-process run; big models are initialized shard by
         # shard after wrapping (`init=sharded`).
-        precision.setup(self.device)
+        self.precision.setup(self.device)
         full = self.full_init(model)
         if full:  # before the split and TP, so every shard and stage holds the single-process weights
             self.materialize(model)
         # Drawn in fp32 then cast (the same weights as one process), or cast on the meta device so that
         # a sharded init allocates its shards in the parameter dtype (bf16_true) before FSDP records it.
-        model.to(dtype=precision.param_dtype)
+        model.to(dtype=self.precision.param_dtype)
         parts = []
         for part in self.split_pipeline(model):
             self.apply_model_parallel(part)
             activation_checkpointing.apply(part)
             if compile:
                 compile_blocks(part)
-            wrapped = self.wrap_data_parallel(part, precision)
+            wrapped = self.wrap_data_parallel(part)
             if not full:
                 self.materialize(wrapped)
             parts.append(wrapped)
@@ -147,7 +144,7 @@ class DistributedStrategy(Strategy):
         """Tensor parallelism hook (the model-parallel strategies override it)."""
 
     def unwrap(self, module: nn.Module) -> nn.Module:
-        return getattr(module, "module", module)
+        return getattr(module, "module", module)  # DistributedDataParallel keeps the model as `.module`
 
     # ---- collectives ----------------------------------------------------------------------------------
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -160,7 +157,6 @@ class DistributedStrategy(Strategy):
         return tensor / mesh.size()
 
     def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's value of `obj` on every rank."""
         holder = [obj]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]

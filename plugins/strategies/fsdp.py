@@ -13,43 +13,46 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from trainer.plugins.precision import Precision
 from trainer.plugins.strategies.distributed import DistributedStrategy
 
 log = logging.getLogger("trainer")
 SHARDING_MODES = ("full_shard", "shard_grad_op", "hybrid_shard")
 
 
-class FSDP(DistributedStrategy):
-    """FSDP2 over the data-parallel ranks; one `fully_shard` unit per transformer block plus the root."""
+@dataclass
+class FSDPOptions:
+    """FSDP2's options with their checks and what follows from them, shared by `strategy=fsdp` (zero2,
+    zero3) and the sharded data-parallel flavours of `strategy=3d`."""
 
-    name = "fsdp"
+    sharding: str = "full_shard"
+    # hybrid_shard: number of replicas (None: `default_replicate`).
+    dp_replicate: Optional[int] = None
+    prefetch_blocks: int = 1
+    # None: true for full_shard and hybrid_shard, false for shard_grad_op.
+    reshard_after_forward: Optional[bool] = None
+    # Sharded parameters, their gradients and the optimizer step in CPU memory.
+    offload: bool = False
 
-    def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
-                 reshard_after_forward: Optional[bool] = None, offload_params: bool = False,
-                 offload_optimizer: bool = False, init: str = "auto", name: Optional[str] = None) -> None:
-        super().__init__(init=init, name=name)
-        if sharding not in SHARDING_MODES:
-            raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {sharding!r}")
-        if prefetch_blocks < 0:
-            raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}")
-        if sharding == "hybrid_shard" and dp_replicate is not None and dp_replicate < 2:
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDING_MODES:
+            raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {self.sharding!r}")
+        if self.prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
+        if self.sharding == "hybrid_shard" and self.dp_replicate is not None and self.dp_replicate < 2:
             raise ValueError("hybrid_shard needs dp_replicate >= 2 (with 1 it is full_shard)")
-        self.sharding = sharding
-        self.dp_replicate = dp_replicate
-        self.prefetch_blocks = prefetch_blocks
-        self.reshard_after_forward = (sharding != "shard_grad_op" if reshard_after_forward is None
-                                      else reshard_after_forward)
-        self.offload = offload_params or offload_optimizer
+        if self.reshard_after_forward is None:
+            self.reshard_after_forward = self.sharding != "shard_grad_op"
         self._offload_noted = False
 
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard): shard over all `dp` ranks, or replicate x shard for hybrid_shard."""
         if self.sharding != "hybrid_shard":
             return 1, dp
         replicate = self.dp_replicate or self.default_replicate(dp)
@@ -64,11 +67,25 @@ class FSDP(DistributedStrategy):
         strategy.dp_replicate=NUM_NODES so that shards stay inside a node)."""
         return next((f for f in range(2, dp) if dp % f == 0), dp)
 
-    def offload_policy(self) -> OffloadPolicy:
+    @property
+    def dp_flavour(self) -> str:
+        """What the planner calls this sharding: shard_grad_op (parameters kept gathered between forward
+        and backward), zero3 or hybrid_shard."""
+        if self.sharding == "hybrid_shard":
+            return "hybrid_shard"
+        return "zero3" if self.reshard_after_forward else "shard_grad_op"
+
+    def planner_fields(self) -> dict[str, Any]:
+        """The sharding's fields of the planner's `Layout`."""
+        return {"dp_flavour": self.dp_flavour, "reshard_after_forward": self.reshard_after_forward,
+                "prefetch_blocks": self.prefetch_blocks, "offload": self.offload}
+
+    def offload_policy(self, device: torch.device, is_global_zero: bool) -> OffloadPolicy:
+        """FSDP2's offload policy on `device` (on the CPU there is nothing to offload: said once)."""
         if not self.offload:
             return OffloadPolicy()
-        if self.device.type == "cpu":
-            if not self._offload_noted and self.is_global_zero:
+        if device.type == "cpu":
+            if not self._offload_noted and is_global_zero:
                 log.warning("offload: the weights and optimizer states already live in CPU memory; "
                             "offloading changes nothing here and is skipped")
             self._offload_noted = True
@@ -76,14 +93,31 @@ class FSDP(DistributedStrategy):
         # FSDP2 offloads the sharded parameters, their gradients and the optimizer step together.
         return CPUOffloadPolicy(pin_memory=True)
 
-    def mixed_precision_policy(self, precision: Precision) -> MixedPrecisionPolicy:
-        policy = getattr(precision, "fsdp_mixed_precision", None)
-        return policy() if callable(policy) else MixedPrecisionPolicy()
 
-    def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
-        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.mixed_precision_policy(precision),
-                         offload_policy=self.offload_policy(), reshard_after_forward=self.reshard_after_forward,
-                         prefetch_blocks=self.prefetch_blocks)
+class FSDP(DistributedStrategy):
+    """FSDP2 over the data-parallel ranks; one `fully_shard` unit per transformer block plus the root."""
+
+    name = "fsdp"
+
+    def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
+                 reshard_after_forward: Optional[bool] = None, offload_params: bool = False,
+                 offload_optimizer: bool = False, init: str = "auto", name: Optional[str] = None) -> None:
+        super().__init__(init=init, name=name)
+        self.options = FSDPOptions(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
+                                   reshard_after_forward=reshard_after_forward,
+                                   offload=offload_params or offload_optimizer)
+
+    def data_parallel_split(self, dp: int) -> tuple[int, int]:
+        return self.options.data_parallel_split(dp)
+
+    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp), **self.options.planner_fields()}
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
+                         offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
+                         reshard_after_forward=self.options.reshard_after_forward,  # type: ignore[arg-type]
+                         prefetch_blocks=self.options.prefetch_blocks)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # fully_shard changes the class in place, not the module tree

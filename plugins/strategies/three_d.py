@@ -7,12 +7,18 @@ strategies: ddp, zero1 (ddp + sharded optimizer states), zero2, zero3, fsdp or h
 The replicating flavours use torch's `replicate` (DDP semantics on FSDP2's machinery): the classic
 DistributedDataParallel breaks inside pipeline schedules (its reducer counts parameters twice when it
 rebuilds buckets), and `replicate` also takes tensor-parallel DTensor parameters as they are.
+
+`ThreeD` is composed of the pieces the single-dimension strategies use, not derived from them: the
+`Pipeline` component (as `strategy=pp`), the tensor-parallel functions (as `strategy=tp`), and for the
+data-parallel dimension `wrap_replicate` / `wrap_fsdp` with `FSDPOptions` (as `strategy=fsdp`) and a
+`ShardedOptimizerStates` for zero1 (as `strategy=zero1`).
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -20,14 +26,26 @@ from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from trainer.plugins.precision import Precision
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+from trainer.interfaces.precision import Precision
+from trainer.interfaces.strategy import MicroBatch
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
-from trainer.plugins.strategies.fsdp import FSDP, wrap_fsdp
-from trainer.plugins.strategies.pipeline import PipelineParallel
-from trainer.plugins.strategies.tensor_parallel import TensorParallel, settle_tensor_parallel_grads
+from trainer.plugins.strategies.distributed import DistributedStrategy
+from trainer.plugins.strategies.fsdp import FSDPOptions, wrap_fsdp
+from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
+from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
+from trainer.plugins.strategies.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tensor_parallel_sizes,
+    keep_grads_in_param_layout,
+    materialize_tensor_parallel,
+    settle_tensor_parallel_grads,
+)
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hybrid_shard")
 REPLICATING = ("ddp", "zero1")
+# The FSDP sharding mode of each sharded flavour (the replicating ones keep the default: its checks only).
+SHARDING = {"zero2": "shard_grad_op", "hybrid_shard": "hybrid_shard"}
 
 
 def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy) -> nn.Module:
@@ -40,11 +58,14 @@ def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPr
     return model
 
 
-class ThreeD(PipelineParallel, TensorParallel, ShardedOptimizerStates):
+class ThreeD(DistributedStrategy):
     """Pipeline stages of tensor-parallel blocks, replicated or sharded over the data-parallel ranks.
 
-    ShardedOptimizerStates comes last: the cooperative super() chains of the other bases end before it,
-    and its ZeRO-1 optimizer is used explicitly when data_parallel=zero1.
+    The model hooks follow the fixed order: 1. pipeline split (`split_pipeline`) -> 2. tensor parallel
+    (`apply_model_parallel`) -> 3. activation checkpointing -> 4. compile (both done by
+    `DistributedStrategy.setup_model`) -> 5. data-parallel wrapping (`wrap_data_parallel`). Any of the
+    three dimensions may be 1; then its piece is skipped. With data_parallel=zero1 the optimizer states
+    are sharded by a `ShardedOptimizerStates`.
     """
 
     name = "3d"
@@ -53,55 +74,165 @@ class ThreeD(PipelineParallel, TensorParallel, ShardedOptimizerStates):
     uses_pp = True
 
     def __init__(self, data_parallel: str = "fsdp", *, dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
-                 offload_params: bool = False, offload_optimizer: bool = False,
-                 **pipeline_and_tensor_options: Any) -> None:
-        super().__init__(**pipeline_and_tensor_options)
+                 offload_params: bool = False, offload_optimizer: bool = False, schedule: str = "1f1b",
+                 virtual_stages: int = 1, layers_per_stage: Optional[Sequence[int]] = None,
+                 embedding_weight: float = 1.0, head_weight: float = 1.0, sequence_parallel: bool = True,
+                 loss_parallel: bool = True, init: str = "auto", name: Optional[str] = None) -> None:
+        super().__init__(init=init, name=name)
+        self.pipeline_options = PipelineOptions(schedule=schedule, virtual_stages=virtual_stages,
+                                                layers_per_stage=layers_per_stage,
+                                                embedding_weight=embedding_weight, head_weight=head_weight)
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)}, got {data_parallel!r}")
         if data_parallel in REPLICATING and (offload_params or offload_optimizer):
             raise ValueError(f"data_parallel={data_parallel} cannot offload (every data-parallel rank keeps "
                              "its whole stage); offloading needs data_parallel=zero2, zero3, fsdp or hybrid_shard")
         self.data_parallel = data_parallel
-        sharding = {"zero2": "shard_grad_op", "hybrid_shard": "hybrid_shard"}.get(data_parallel, "full_shard")
-        # The FSDP options and checks, reused as they are for the sharded flavours.
-        self._fsdp = FSDP(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
-                          offload_params=offload_params, offload_optimizer=offload_optimizer)
+        # The FSDP options and checks, as strategy=fsdp has them (used by the sharded flavours).
+        self.fsdp_options = FSDPOptions(sharding=SHARDING.get(data_parallel, "full_shard"), dp_replicate=dp_replicate,
+                                        prefetch_blocks=prefetch_blocks, offload=offload_params or offload_optimizer)
+        # This rank's stages and schedule, made by `split_pipeline` (None before, or with pp=1).
+        self.pipeline: Pipeline | None = None
+        self.sharded_states: ShardedOptimizerStates | None = None
 
     @property
     def replicating(self) -> bool:
         return self.data_parallel in REPLICATING
 
-    def data_parallel_split(self, dp: int) -> tuple[int, int]:
-        return (dp, 1) if self.replicating else self._fsdp.data_parallel_split(dp)
+    # ---- checks and layout (config validation and the planner call these before launch) ------------
+    @property
+    def label(self) -> str:
+        return f"{super().label} (data_parallel={self.data_parallel})"
 
-    def wrap_data_parallel(self, model: nn.Module, precision: Precision) -> nn.Module:
+    @property
+    def pipeline_schedule(self) -> str | None:
+        return self.pipeline_options.schedule
+
+    def data_parallel_split(self, dp: int) -> tuple[int, int]:
+        return (dp, 1) if self.replicating else self.fsdp_options.data_parallel_split(dp)
+
+    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+        layout = {**super().planner_layout(dp, tp, pp),  # dp_replicate x dp_shard from data_parallel_split
+                  "tp": tp, "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
+                  **self.pipeline_options.planner_fields(pp)}
+        if self.replicating:
+            return {**layout, "dp_flavour": self.data_parallel if dp > 1 else "none"}
+        return {**layout, **self.fsdp_options.planner_fields()}
+
+    def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
+        if pp < 2:
+            return  # without pipelining: the other dimensions are checked elsewhere
+        self.pipeline_options.validate(num_layers=num_layers, pp=pp, num_microbatches=num_microbatches,
+                                       compile=compile)
+
+    def check_tensor_parallel(self, model_cfg: Any, tp: int, seq_len: int, sequence_parallel: bool = True) -> None:
+        if tp > 1:  # tp=1 is legitimate here: the other dimensions still split the work
+            check_tensor_parallel_sizes(model_cfg, tp, seq_len, sequence_parallel)
+
+    def connect_precision(self, precision: Precision) -> None:
+        super().connect_precision(precision)
+        if self.pipeline is not None:
+            self.pipeline.precision = precision
+
+    # ---- model (in the fixed order) -----------------------------------------------------------------
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D tensor-parallel mesh (None with tp=1)."""
+        return self.dims.mesh["tp"] if self.dims.tp_enabled else None
+
+    def split_pipeline(self, model: nn.Module) -> list[nn.Module]:
+        """1. pipeline split: this rank's stages (the whole model with pp=1)."""
+        if not self.dims.pp_enabled:
+            return [model]
+        self.pipeline = Pipeline(self.pipeline_options, self.dims, self.device, self.precision,
+                                 log_layout=self.is_global_zero)
+        return self.pipeline.split(model)
+
+    def apply_model_parallel(self, model: nn.Module) -> None:
+        """2. tensor parallel on each stage part."""
+        if self.tp_mesh is not None:
+            apply_tensor_parallel(model, self.tp_mesh, sequence_parallel=self.sequence_parallel,
+                                  loss_parallel=self.loss_parallel)
+
+    def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        """5. data-parallel wrapping of each (TP-sharded, checkpointed, compiled) stage part."""
         if not self.dims.dp_enabled:
             return model
         if self.replicating:
             # DDP semantics on FSDP2's machinery (`replicate`): unlike DistributedDataParallel it works
             # inside pipeline schedules and with tensor-parallel DTensor parameters.
-            return wrap_replicate(model, self.dims.dp_mesh(), self._fsdp.mixed_precision_policy(precision))
-        self._fsdp.device = self.device
-        self._fsdp.rank = self.rank
-        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self._fsdp.mixed_precision_policy(precision),
-                         offload_policy=self._fsdp.offload_policy(),
-                         reshard_after_forward=self._fsdp.reshard_after_forward,
-                         prefetch_blocks=self._fsdp.prefetch_blocks)
+            return wrap_replicate(model, self.dims.dp_mesh(), self.precision.fsdp_mixed_precision())
+        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
+                         offload_policy=self.fsdp_options.offload_policy(self.device, self.is_global_zero),
+                         reshard_after_forward=self.fsdp_options.reshard_after_forward,  # type: ignore[arg-type]
+                         prefetch_blocks=self.fsdp_options.prefetch_blocks)
 
-    def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
-        if self.data_parallel == "zero1" and self.dims.dp_enabled:
-            return ShardedOptimizerStates.build_optimizer(self, optimizer_cfg, self.optimizer_modules(model_parts))
-        return super().build_optimizer(optimizer_cfg, model_parts)
+    def materialize(self, model: nn.Module) -> None:
+        """The whole model (init=full), or one wrapped stage part: its stage's seed around the TP-aware init."""
+        with stage_init_seed(self.unwrap(model), self.device):
+            materialize_tensor_parallel(model, self.tp_mesh, super().materialize)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+    def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
+                    compile: bool) -> list[nn.Module]:
+        parts = super().setup_model(model, activation_checkpointing, compile)
+        # after materialization, which drops tensor hooks
+        if self.tp_mesh is not None:
+            for part in parts:
+                keep_grads_in_param_layout(part, self.tp_mesh)
+        if self.pipeline is not None:
+            self.pipeline.finish_setup(parts, self.unwrap)
+        return parts
+
+    def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
+        modules = self.pipeline.optimizer_modules(model_parts) if self.pipeline is not None else list(model_parts)
         if self.data_parallel == "zero1" and self.dims.dp_enabled:
-            return ShardedOptimizerStates.optimizer_step(self, optimizer, precision)  # type: ignore[arg-type]
-        return super().optimizer_step(optimizer, precision)
+            self.sharded_states = ShardedOptimizerStates(self.dims.dp_mesh(), self.device)  # type: ignore[arg-type]
+            return self.sharded_states.build_optimizer(optimizer_cfg, modules)
+        return super().make_optimizer(optimizer_cfg, modules)
+
+    def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.sharded_states.optimizer_tensor_pairs() if self.sharded_states is not None else []
+
+    # ---- step ---------------------------------------------------------------------------------------
+    def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
+                         on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().forward_backward(model_parts, microbatches, on_before_backward)
+        return self.pipeline.forward_backward(model_parts, microbatches)
+
+    @torch.no_grad()
+    def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
+        if self.pipeline is None:
+            return super().evaluate(model_parts, batches)
+        return self.reduce_mean(self.pipeline.evaluate(model_parts, batches)).item()
 
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         # sequence-parallel norm weights hold partial gradients: reduce them before any norm is taken
         settle_tensor_parallel_grads(model_parts)
-        return super().clip_grad_norm(model_parts, max_norm)
+        if self.pipeline is None:
+            return super().clip_grad_norm(model_parts, max_norm)
+        return self.pipeline.clip_grad_norm(model_parts, max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.sharded_states is not None:
+            return self.sharded_states.optimizer_step(optimizer, self.precision)
+        return super().optimizer_step(optimizer)
+
+    # ---- checkpoint / comparison ----------------------------------------------------------------------
+    def full_state_dict(self, model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+        if self.pipeline is None:
+            return super().full_state_dict(model_parts)
+        return self.pipeline.full_state_dict(model_parts)
+
+    def teardown(self) -> None:
+        # The stages and the schedule hold the model parts (and any reducer inside them), which must be
+        # released before the process group is destroyed.
+        if self.pipeline is not None:
+            self.pipeline.release()
+        gc.collect()
+        super().teardown()
 
 
 @dataclass

@@ -29,6 +29,7 @@ from trainer.checkpoint.manifest import (
 )
 from trainer.checkpoint.state import (
     MODEL_PREFIX,
+    MASTER_WEIGHT,
     OPTIM_PREFIX,
     RNG_PREFIX,
     TRAINER_KEY,
@@ -74,13 +75,13 @@ def _agree(trainer: "Trainer", error: Optional[BaseException]) -> None:
 
 def _manifest(trainer: "Trainer", reason: str, metrics: Optional[dict[str, float]]) -> dict[str, Any]:
     strategy = trainer.strategy
-    dims = getattr(strategy, "parallel_dims", None)
+    dims = strategy.parallel_dims
     return {
         "step": trainer.step,
         "tokens_seen": trainer.tokens_seen,
         "reason": reason,
         "world_size": strategy.world_size,
-        "strategy": getattr(strategy, "name", type(strategy).__name__),
+        "strategy": strategy.name,
         "parallel_dims": dims.sizes() if dims is not None else {},
         "metrics": dict(metrics or {}),
         "model": model_config_dict(trainer),
@@ -243,6 +244,10 @@ def load_checkpoint(trainer: "Trainer", path: Path | str, *, weights_only: bool 
         initialize_optimizer_state(trainer.optimizer)
         entries = optimizer_entries(trainer)
         optimizer_keys = optimizer_template(entries, trainer.optimizer)
+        # A checkpoint without master weights (saved without bf16_true's masters): they restart from the
+        # loaded weights, as they would from any weights written from outside.
+        optimizer_keys = {key: value for key, value in optimizer_keys.items()
+                          if key in saved_keys or not key.endswith(f".{MASTER_WEIGHT}")}
         absent = sorted(key for key in optimizer_keys if key not in saved_keys)
         if absent and error is None:
             error = CheckpointError(f"checkpoint {path} lacks optimizer states this run needs, e.g. {absent[0]} "

@@ -33,9 +33,9 @@ DEFAULT_DIRECTORY = "checkpoints"
 def checkpoint_directory(trainer: "Trainer") -> Path:
     """The run's checkpoint directory: the CheckpointManager's, else `<run_dir>/checkpoints`."""
     for callback in trainer.callbacks:
-        resolve = getattr(callback, "resolve_directory", None)
-        if callable(resolve):
-            return Path(resolve(trainer.run_dir))
+        directory = callback.resolve_directory(trainer.run_dir)
+        if directory is not None:
+            return Path(directory)
     return Path(trainer.run_dir) / DEFAULT_DIRECTORY
 
 

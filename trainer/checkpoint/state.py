@@ -7,6 +7,9 @@ checkpoint reshards onto any strategy and world size):
   FSDP/TP, plain tensors otherwise; a pipeline stage holds the keys of its own layers);
 - `optim.<fqn>.<state>`: optimizer states (Adam's exp_avg, exp_avg_sq, step), in the layout of the
   parameter they belong to (ZeRO-1's Shard(0) views are DTensors of the whole parameter);
+- `optim.<fqn>.master_weight`: the fp32 copy the optimizer steps in the parameter's place, when the
+  precision plugin keeps one (bf16_true), resharded like the states, so that a resume continues from
+  the masters' sub-ulp progress rather than from the rounded weights;
 - `trainer`: one packed object (step and token counters, validation history, the data loader's
   position, the LR schedule, the precision plugin's loss scaler, every callback's state), the same on
   every rank;
@@ -41,6 +44,8 @@ log = logging.getLogger("trainer")
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
+# The name of a precision plugin's fp32 master copy among a parameter's optimizer states.
+MASTER_WEIGHT = "master_weight"
 TRAINER_KEY = "trainer"
 RNG_PREFIX = "rng."
 # Module attributes that wrap a module without being part of its parameters' names: activation
@@ -59,12 +64,12 @@ def canonical_name(name: str, root: nn.Module) -> str:
 
 
 def callback_state_keys(callbacks: Sequence["Callback"]) -> list[str]:
-    """A stable key per callback: its `state_key` attribute, or its class's qualified name (as Lightning
-    does); a second instance of one class gets `#1`, a third `#2`..."""
+    """A stable key per callback: its `state_key` (by default its class's qualified name, as Lightning
+    does); a second instance with the same key gets `#1`, a third `#2`..."""
     seen: Counter[str] = Counter()
     keys = []
     for callback in callbacks:
-        base = getattr(callback, "state_key", None) or type(callback).__qualname__
+        base = callback.state_key
         keys.append(base if seen[base] == 0 else f"{base}#{seen[base]}")
         seen[base] += 1
     return keys
@@ -72,8 +77,7 @@ def callback_state_keys(callbacks: Sequence["Callback"]) -> list[str]:
 
 def model_config_dict(trainer: "Trainer") -> dict[str, Any] | None:
     """The model's architecture (its config dataclass), read from the first model part."""
-    unwrap = getattr(trainer.strategy, "unwrap", lambda module: module)
-    config = getattr(unwrap(trainer.model_parts[0]), "config", None)
+    config = getattr(trainer.strategy.unwrap(trainer.model_parts[0]), "config", None)
     if config is None or not dataclasses.is_dataclass(config):
         return None
     return {"class": type(config).__name__, **dataclasses.asdict(config)}
@@ -126,6 +130,12 @@ class OptimizerEntry:
     param: torch.Tensor
 
     @property
+    def master_copy(self) -> bool:
+        """Whether the optimizer steps a copy with storage of its own (an fp32 master weight) rather than
+        the parameter or a view of its rows."""
+        return _storage(self.stepped) != _storage(self.param)
+
+    @property
     def reshaped(self) -> bool:
         """A stand-in whose global shape is not the parameter's (a ZeRO-1 view of a tensor-parallel shard
         describes the local TP shard): its states are saved in the parameter's layout instead."""
@@ -145,8 +155,7 @@ def optimizer_entries(trainer: "Trainer") -> list[OptimizerEntry]:
             names.setdefault(id(param), canonical_name(name, part))
     stands_for: dict[int, torch.Tensor] = {}
     for provider in (trainer.strategy, trainer.precision):
-        pairs = getattr(provider, "optimizer_tensor_pairs", None)
-        for original, stand_in in (pairs() if callable(pairs) else []):
+        for original, stand_in in provider.optimizer_tensor_pairs():
             stands_for[id(stand_in)] = original
     entries = []
     for group in trainer.optimizer.param_groups:
@@ -192,9 +201,18 @@ def _param_layout(state: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return 0 if local.device.type == "meta" else local.untyped_storage().data_ptr()
+
+
 def optimizer_state(entries: Iterable[OptimizerEntry], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for entry in entries:
+        if entry.master_copy:
+            master = entry.stepped.detach()
+            state[f"{OPTIM_PREFIX}{entry.fqn}.{MASTER_WEIGHT}"] = (_param_layout(master, entry.param)
+                                                                   if entry.reshaped else master)
         for name, value in optimizer.state.get(entry.stepped, {}).items():
             key = f"{OPTIM_PREFIX}{entry.fqn}.{name}"
             if isinstance(value, torch.Tensor):
@@ -209,6 +227,9 @@ def optimizer_template(entries: Sequence[OptimizerEntry], optimizer: torch.optim
     resharded ZeRO-1 view a buffer in the parameter's layout."""
     template: dict[str, Any] = {}
     for entry in entries:
+        if entry.master_copy:  # loaded in place into the live master, or into a parameter-layout buffer
+            template[f"{OPTIM_PREFIX}{entry.fqn}.{MASTER_WEIGHT}"] = (
+                torch.zeros_like(entry.param, dtype=entry.stepped.dtype) if entry.reshaped else entry.stepped.detach())
         for name, value in optimizer.state[entry.stepped].items():
             key = f"{OPTIM_PREFIX}{entry.fqn}.{name}"
             if isinstance(value, torch.Tensor):
@@ -223,9 +244,15 @@ def optimizer_template(entries: Sequence[OptimizerEntry], optimizer: torch.optim
 def load_optimizer_state(entries: Sequence[OptimizerEntry], optimizer: torch.optim.Optimizer,
                          loaded: dict[str, Any]) -> None:
     """Finish what loading in place left: non-tensor states, and ZeRO-1 rows out of the parameter layout."""
-    from trainer.plugins.strategies.ddp import shard_rows
+    from trainer.parallel_dims import shard_rows
 
     for entry in entries:
+        master = loaded.get(f"{OPTIM_PREFIX}{entry.fqn}.{MASTER_WEIGHT}")
+        if entry.master_copy and entry.reshaped and master is not None:
+            full_local = master.to_local() if isinstance(master, DTensor) else master
+            stepped = entry.stepped
+            mesh = stepped.device_mesh
+            stepped.to_local().copy_(shard_rows(full_local, mesh.get_local_rank(), mesh.size()))
         states = optimizer.state[entry.stepped]
         for name, value in list(states.items()):
             loaded_value = loaded[f"{OPTIM_PREFIX}{entry.fqn}.{name}"]

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.data.config import StdlibDataConfig, TokenFileDataConfig
+    from trainer.data.config import SCHEMAS, StdlibDataConfig, TokenFileDataConfig
     from trainer.data.loader import StatefulLoader, TokenWindows, val_batches
     from trainer.data.stdlib_corpus import StdlibCorpus
     from trainer.data.token_file import TokenFileDataset
@@ -23,6 +23,7 @@ __all__ = [
     "val_batches",
     "StdlibDataConfig",
     "TokenFileDataConfig",
+    "SCHEMAS",
 ]
 
 _EXPORTS = {
@@ -33,6 +34,7 @@ _EXPORTS = {
     "val_batches": "trainer.data.loader",
     "StdlibDataConfig": "trainer.data.config",
     "TokenFileDataConfig": "trainer.data.config",
+    "SCHEMAS": "trainer.data.config",
 }
 
 

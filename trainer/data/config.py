@@ -9,7 +9,7 @@ This module deliberately imports nothing heavy (no torch, no numpy).
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["StdlibDataConfig", "TokenFileDataConfig"]
+__all__ = ["SCHEMAS", "StdlibDataConfig", "TokenFileDataConfig"]
 
 
 @dataclass
@@ -50,3 +50,8 @@ class TokenFileDataConfig:
     _target_: str = "trainer.data.TokenFileDataset"
     # Mandatory: there is no sensible default location for a prepared dataset.
     path: str = "???"
+
+
+# Schema of each data source, registered in Hydra's ConfigStore as `<name>_schema` by
+# trainer.config.register_configs (conf/data/*.yaml names it in its defaults list).
+SCHEMAS: dict[str, type] = {"stdlib": StdlibDataConfig, "token_file": TokenFileDataConfig}

@@ -15,12 +15,17 @@ from trainer.models.llama import Llama, LlamaConfig
 
 ModelConfig = Union[LlamaConfig, GPTConfig]
 
+# Schema of each model family, registered in Hydra's ConfigStore as `<name>_schema` by
+# trainer.config.register_configs (conf/model/*.yaml names it in its defaults list).
+SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig}
+
 __all__ = [
     "GPT",
     "GPTConfig",
     "Llama",
     "LlamaConfig",
     "ModelConfig",
+    "SCHEMAS",
     "build_meta_model",
     "build_model",
 ]

@@ -8,10 +8,12 @@ dimension's group spans nodes when its stride times its size exceeds the devices
 What each strategy of this trainer communicates (M micro-batches per step):
 - ddp: one gradient all-reduce per step (no_sync on the other micro-batches), in DDP buckets;
 - zero1: the same all-reduce plus an all-gather of the updated parameter rows after the step;
-- zero2 / zero3 (FSDP2): per micro-batch, parameters all-gathered once (zero2) or twice, forward and
-  backward (zero3), and gradients reduce-scattered (FSDP2 reduces every backward: the strategy does not
-  defer the reduction to the last micro-batch); hybrid sharding adds an all-reduce of the shards across
-  replicas;
+- zero2: one reduce-scatter of the accumulated gradients per step (in buckets), then the all-gather of
+  the updated rows: the bytes of one all-reduce in all;
+- shard_grad_op / zero3 (FSDP2): per micro-batch, parameters all-gathered once (shard_grad_op) or twice,
+  forward and backward (zero3), and gradients reduce-scattered (FSDP2 reduces every backward: the strategy
+  does not defer the reduction to the last micro-batch); hybrid sharding adds an all-reduce of the shards
+  across replicas;
 - tp (Megatron layout, per layer and micro-batch): two all-reduces in the forward and two in the
   backward of an activation (s x b x h), or with sequence parallelism the same bytes as all-gathers and
   reduce-scatters; recomputed blocks communicate their forward again;
@@ -83,6 +85,12 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
         out.append(Collective("dp", ALL_REDUCE, buckets, layout.dp_replicate, payload, span))
         if flavour == "zero1":
             out.append(Collective("dp", ALL_GATHER, 1, layout.dp_replicate, full * layout.param_bytes, span))
+    elif flavour == "zero2" and layout.dp_replicate > 1:
+        payload = full * layout.reduce_bytes
+        buckets = max(1, math.ceil(payload / (layout.bucket_cap_mb * 2**20)))
+        span = spans_nodes(layout, "dp_replicate", gpn)
+        out.append(Collective("dp", REDUCE_SCATTER, buckets, layout.dp_replicate, payload, span))
+        out.append(Collective("dp", ALL_GATHER, 1, layout.dp_replicate, full * layout.param_bytes, span))
     elif layout.fsdp:
         units = part.layers + 1  # one fully_shard unit per block, plus the root
         span = spans_nodes(layout, "dp_shard", gpn)

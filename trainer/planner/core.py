@@ -8,8 +8,6 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.planner.activations import ActivationEstimate, estimate_activations
-from trainer.planner.communication import Collective, step_collectives
 from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import Layout, layout_from_config, model_config
 from trainer.planner.memory import (
@@ -17,147 +15,19 @@ from trainer.planner.memory import (
     RankCoords,
     bytes_per_param,
     describe_convention,
-    rank_numel,
-    rank_part,
-    rank_state_bytes,
 )
 from trainer.planner.params import ModelInventory, inventory
-from trainer.planner.timing import Timing, estimate_time
-
-# Sizes the JSON line reports under memory_gb, in this order.
-MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "temporaries", "total")
-
-
-@dataclass
-class PlanOptions:
-    """The `plan.*` options the estimate itself depends on (the rest concern the report)."""
-
-    headroom: float = 0.1
-    matmul_efficiency: float = 0.6
-    rank: Optional[int] = None
-
-    @staticmethod
-    def of(cfg: DictConfig) -> PlanOptions:
-        node = cfg.get("plan", None)
-        if node is None:
-            return PlanOptions()
-        return PlanOptions(headroom=float(node.headroom), matmul_efficiency=float(node.matmul_efficiency),
-                           rank=node.rank)
-
-
-@dataclass
-class RankEstimate:
-    """Everything estimated for one rank."""
-
-    rank: int
-    coords: RankCoords
-    state: dict[str, float]  # params, grads, optimizer bytes this rank holds (device or host)
-    activations: ActivationEstimate
-    temporaries: dict[str, float]  # named transient buffers at the forward/backward peak
-    step_temporaries: dict[str, float]  # named transient buffers during the optimizer step
-    device: dict[str, float]  # device-resident bytes: params, grads, optimizer, activations, temporaries, total
-    host: float  # host-resident bytes of this rank (offloaded states and activations)
-    collectives: list[Collective]
-    timing: Timing
-
-
-def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
-                acts: ActivationEstimate) -> tuple[dict[str, float], dict[str, float]]:
-    """Transient buffers at the forward/backward peak and during the optimizer step (bytes)."""
-    full, shard = rank_numel(inv, layout, coords)
-    part = rank_part(inv, layout, coords.pp)
-    fb: dict[str, float] = {}
-    if acts.recompute_transient:
-        fb["recomputed block"] = acts.recompute_transient
-    if acts.logits_transient:
-        fb["logits and their gradient"] = acts.logits_transient
-    if layout.fsdp:
-        layer_numel = sum(p.numel for p in inv.layer) / layout.tp
-        root = full - part.layers * layer_numel
-        if layout.reshard_after_forward:
-            gathered = (1 + layout.prefetch_blocks) * layer_numel + root
-        else:  # zero2 keeps every gathered block through the backward
-            gathered = full
-        fb["gathered parameters"] = gathered * layout.unsharded_param_bytes
-        # a block's gradients are computed unsharded (compute dtype), then cast for the reduce-scatter
-        grads = layer_numel if part.layers else root
-        fb["unsharded gradients of a block"] = grads * (layout.unsharded_param_bytes + layout.reduce_bytes)
-    elif layout.strategy == "3d" and layout.dp > 1:
-        # torch's `replicate` (3d's ddp/zero1 flavours) gathers each block's compute copy (FSDP2's machinery,
-        # a world of one shard) and keeps it from the forward to the end of the backward
-        fb["replicated parameters gathered for compute"] = full * layout.unsharded_param_bytes
-    elif layout.autocast:
-        # autocast's cast of every weight is saved by its matmul for the backward; each pipeline forward
-        # runs in its own autocast region, so every in-flight micro-batch holds its own copy
-        copies = acts.in_flight if layout.pp > 1 else 1.0
-        fb["autocast weight copies"] = full * layout.compute_bytes * copies
-    step: dict[str, float] = {}
-    optimizer_numel = full if layout.dp_flavour in ("none", "ddp") else shard
-    if layout.optimizer_states:
-        # foreach AdamW/SGD builds intermediates the size of the moments (e.g. sqrt of exp_avg_sq)
-        step["optimizer intermediates"] = optimizer_numel * layout.optimizer_state_bytes
-    if layout.dp_flavour == "zero1":
-        step["ZeRO-1 all-gather buffers"] = (full + shard) * layout.param_bytes
-    return fb, step
-
-
-def estimate_rank(inv: ModelInventory, layout: Layout, hardware: HardwareConfig, coords: RankCoords,
-                  options: PlanOptions) -> RankEstimate:
-    state = rank_state_bytes(inv, layout, coords)
-    acts = estimate_activations(inv, layout, coords.pp, hardware.device_type)
-    fb, step = temporaries(inv, layout, coords, acts)
-    offloaded = layout.offload and hardware.device_type != "cpu"
-    device_state = {k: (0.0 if offloaded else v) for k, v in state.items()}
-    host = (sum(state.values()) if offloaded else 0.0) + acts.host
-    if offloaded:
-        step = {}  # the optimizer steps on the host
-    device_temporaries = max(acts.device + sum(fb.values()), sum(step.values())) - acts.device
-    device = {**device_state, "activations": acts.device, "temporaries": device_temporaries}
-    device["total"] = sum(device.values())
-    collectives = step_collectives(inv, layout, coords, hardware)
-    timing = estimate_time(inv, layout, coords, hardware, collectives, options.matmul_efficiency)
-    return RankEstimate(rank=coords.rank(layout), coords=coords, state=state, activations=acts, temporaries=fb,
-                        step_temporaries=step, device=device, host=host, collectives=collectives, timing=timing)
-
-
-def ranks_to_estimate(inv: ModelInventory, layout: Layout) -> list[RankCoords]:
-    """The pipeline positions that can hold the most: the first (most micro-batches in flight, the
-    embedding), the second (the most in flight among ranks without the embedding), the last (the head and
-    its logits) and the one with the most layers. Data- and tensor-parallel peers hold the same, within
-    the padding of uneven shards."""
-    if layout.pp <= 4:
-        return [RankCoords(pp=r) for r in range(layout.pp)]
-    most = max(range(layout.pp), key=lambda r: rank_part(inv, layout, r).layers)
-    return [RankCoords(pp=r) for r in sorted({0, 1, layout.pp - 1, most})]
-
-
-def usable_bytes(hardware: HardwareConfig, headroom: float) -> float:
-    """Device memory the estimate may fill: capacity less what is reserved, less the headroom."""
-    return (hardware.memory_gb - hardware.reserved_gb) * GB * (1 - headroom)
-
-
-def host_bytes_per_rank(hardware: HardwareConfig, headroom: float) -> float:
-    return hardware.host_memory_gb * GB * (1 - headroom) / hardware.devices_per_node
-
-
-@dataclass
-class Suggestion:
-    """A configuration the search found to fit and validated: the full override list that runs it."""
-
-    overrides: list[str]  # the command line: the plan's own overrides, with the search's changes
-    changes: list[str]  # what the search set (strategy, sizes, policy, micro-batch)
-    description: str
-    memory_gb: float  # device memory of its most loaded rank
-    memory: dict[str, float]  # that rank's device bytes: MEMORY_FIELDS
-    capacity_bytes: float
-    tokens_per_s: float
-    mfu: float
-    step_time_s: float
-
-    @property
-    def command(self) -> str:
-        return " ".join(["python -m trainer", *self.overrides])
-
+from trainer.planner.estimate import (
+    MEMORY_FIELDS,
+    PlanOptions,
+    RankEstimate,
+    Suggestion,
+    estimate_rank,
+    evaluate,
+    fits,
+    host_bytes_per_rank,
+    usable_bytes,
+)
 
 @dataclass
 class Plan:
@@ -219,28 +89,6 @@ class Plan:
         return json.dumps(self.to_dict(), default=str, separators=(",", ":"))
 
 
-def evaluate(inv: ModelInventory, layout: Layout, hardware: HardwareConfig, options: PlanOptions) -> list[RankEstimate]:
-    """Estimates of every pipeline position's rank (one rank without pipelining)."""
-    return [estimate_rank(inv, layout, hardware, coords, options) for coords in ranks_to_estimate(inv, layout)]
-
-
-def fits(estimates: list[RankEstimate], hardware: HardwareConfig, options: PlanOptions) -> tuple[bool, list[str]]:
-    usable = usable_bytes(hardware, options.headroom)
-    host_usable = host_bytes_per_rank(hardware, options.headroom)
-    short = []
-    worst = max(estimates, key=lambda e: e.device["total"])
-    if worst.device["total"] > usable:
-        short.append(f"device memory on rank {worst.rank}: needs {worst.device['total'] / GB:.2f} GB, "
-                     f"{usable / GB:.2f} GB usable of {hardware.memory_gb:g} GB ({hardware.reserved_gb:g} GB "
-                     f"reserved, {options.headroom:.0%} headroom): short by "
-                     f"{(worst.device['total'] - usable) / GB:.2f} GB")
-    host_worst = max(estimates, key=lambda e: e.host)
-    if host_worst.host > host_usable:
-        short.append(f"host memory for rank {host_worst.rank}: needs {host_worst.host / GB:.2f} GB, its share of the "
-                     f"node's {hardware.host_memory_gb:g} GB is {host_usable / GB:.2f} GB usable")
-    return not short, short
-
-
 def hardware_from_config(cfg: DictConfig) -> HardwareConfig:
     node = cfg.get("hardware", None)
     if node is None:
@@ -251,13 +99,13 @@ def hardware_from_config(cfg: DictConfig) -> HardwareConfig:
 
 def runnable_warnings(cfg: DictConfig, layout: Layout) -> list[str]:
     """What would stop `mode=train` on this config that the plan does not depend on."""
-    from trainer.config import strategy_class
+    from hydra.utils import instantiate
 
     warnings = []
-    check_tp = getattr(strategy_class(cfg), "check_tensor_parallel", None)
-    if check_tp is not None and layout.tp > 1:
+    if layout.tp > 1:
         try:
-            check_tp(model_config(cfg), layout.tp, layout.seq_len, layout.sequence_parallel)
+            instantiate(cfg.strategy).check_tensor_parallel(model_config(cfg), layout.tp, layout.seq_len,
+                                                            layout.sequence_parallel)
         except ValueError as error:
             warnings.append(f"cannot run as configured: {error}")
     return warnings

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Iterable, Iterator
 from unittest import mock
 
@@ -27,7 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from trainer.plugins.precision import Precision
+from trainer.interfaces.precision import Precision
 
 
 class ExactUnavailable(RuntimeError):
@@ -69,24 +70,26 @@ class _StepOnShapes(Precision):
 
 
 def count_state_bytes(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                      masters: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+                      masters: Iterable[torch.Tensor] = (),
+                      stand_ins: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> dict[str, int]:
     """{params, grads, optimizer} bytes of meta (or real) model parts, distinct parameters counted once;
-    `masters` are fp32 master copies the precision plugin keeps for the optimizer (counted with it)."""
+    `masters` are fp32 master copies the precision plugin keeps for the optimizer (counted with it);
+    `stand_ins` are the strategy's (parameter, what the optimizer steps) pairs, whose gradient counts when
+    the parameter's own has moved there (ZeRO-2's reduce-scattered rows)."""
     params = list({id(p): p for part in model_parts for p in part.parameters()}.values())
     states = [v for state in optimizer.state.values() for v in state.values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    moved = [stand_in.grad for param, stand_in in stand_ins if param.grad is None and stand_in.grad is not None]
     return {
         "params": _nbytes(params),
-        "grads": _nbytes(p.grad for p in params if p.grad is not None),
+        "grads": _nbytes(p.grad for p in params if p.grad is not None) + _nbytes(moved),
         "optimizer": _nbytes(states) + _nbytes(masters),
     }
 
 
 def exact_state_bytes(cfg: DictConfig, rank: int) -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes `rank` holds after the first step of `cfg`'s run."""
-    from trainer.config import data_parallel_size, world_size
-    from trainer.models import build_meta_model
-    from trainer.parallel_dims import ParallelDims
+    from trainer.config import world_size
 
     if dist.is_available() and dist.is_initialized():
         raise ExactUnavailable("a process group already exists in this process; exact mode needs its own fake one")
@@ -97,38 +100,49 @@ def exact_state_bytes(cfg: DictConfig, rank: int) -> dict[str, int]:
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
+        with warnings.catch_warnings():
+            # Meta tensors draw no random numbers: DTensor's caution about random ops on a CPU mesh does
+            # not apply to what is counted here.
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            return _count_on_meta(cfg, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _count_on_meta(cfg: DictConfig, rank: int, world: int) -> dict[str, int]:
+    from trainer.config import data_parallel_size
+    from trainer.models import build_meta_model
+    from trainer.parallel_dims import ParallelDims
+
+    try:
         strategy = instantiate(cfg.strategy)
         strategy.rank, strategy.world_size, strategy.local_rank = rank, world, 0
         strategy.device = torch.device("meta")
-        if hasattr(strategy, "parallel_dims"):
-            dp = data_parallel_size(cfg)
-            replicate, shard = strategy.data_parallel_split(dp) if strategy.uses_dp else (1, 1)
-            tp = int(cfg.tp) if strategy.uses_tp else 1
-            pp = int(cfg.pp) if strategy.uses_pp else 1
-            strategy.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp,
-                                                  world_size=world)
-            strategy.parallel_dims.build_mesh("cpu")
+        dp = data_parallel_size(cfg)
+        replicate, shard = strategy.data_parallel_split(dp) if strategy.uses_dp else (1, 1)
+        tp = int(cfg.tp) if strategy.uses_tp else 1
+        pp = int(cfg.pp) if strategy.uses_pp else 1
+        strategy.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp,
+                                              world_size=world)
+        strategy.parallel_dims.build_mesh("cpu")
         precision = instantiate(cfg.precision)
+        strategy.connect_precision(precision)
         model = build_meta_model(OmegaConf.to_object(cfg.model))
         with _ddp_without_init_sync():
-            parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), precision, False)
+            parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), False)
+        # as in a run, the precision plugin sees the optimizer first (bf16_true: its fp32 master copies)
         optimizer = strategy.build_optimizer(cfg.optimizer, parts)
         for part in parts:
             for param in part.parameters():
                 if param.requires_grad:
                     param.grad = torch.empty_like(param)
-        masters: list[torch.Tensor] = []
-        if getattr(precision, "master_weights", False) and precision.param_dtype != torch.float32:
-            from trainer.plugins.precision.bf16_true import FP32MasterWeights
-
-            # as the plugin does before the first step: the optimizer then updates fp32 copies
-            masters = [master for _, master in FP32MasterWeights(optimizer).pairs]
-        strategy.optimizer_step(optimizer, _StepOnShapes())
-        return count_state_bytes(parts, optimizer, masters)
+        strategy.reduce_gradients(parts)
+        masters = [master for _, master in precision.optimizer_tensor_pairs()]
+        strategy.connect_precision(_StepOnShapes())
+        strategy.optimizer_step(optimizer)
+        return count_state_bytes(parts, optimizer, masters, strategy.optimizer_tensor_pairs())
     except ExactUnavailable:
         raise
     except Exception as error:  # noqa: BLE001 - any failure means the same thing: no exact figure
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ExactUnavailable(f"{type(error).__name__}: {first}") from error
-    finally:
-        dist.destroy_process_group()

@@ -59,3 +59,8 @@ class HardwareConfig:
 
     def group_latency(self, spans_nodes: bool) -> float:
         return 1e-6 * (self.inter_node_latency_us if spans_nodes else self.intra_node_latency_us)
+
+
+# The `hardware` group has one schema, registered in Hydra's ConfigStore as `hardware_schema` by
+# trainer.config.register_configs (every conf/hardware/*.yaml names it in its defaults list).
+SCHEMAS: dict[str, type] = {"hardware": HardwareConfig}

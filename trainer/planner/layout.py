@@ -2,7 +2,7 @@
 
 `Layout` is a plain dataclass (no OmegaConf, no plugin instances), so the search can derive thousands of
 variants of it cheaply; `layout_from_config` reads it from a validated config through the same strategy,
-precision and checkpointing classes a run instantiates, so the two never disagree on what a name means.
+precision and checkpointing plugins a run instantiates (through their interfaces' hooks), so the two never disagree on what a name means.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 # Data-parallel flavours and what each shards at rest (params, grads, optimizer states).
-DP_FLAVOURS = ("none", "ddp", "zero1", "zero2", "zero3", "hybrid_shard")
+DP_FLAVOURS = ("none", "ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hybrid_shard")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 CHECKPOINTING = ("none", "attention", "selective", "every_n", "full", "offload")
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
@@ -35,11 +35,13 @@ class Layout:
     # ---- strategy ----
     strategy: str  # the strategy option: single, ddp, zero1, zero2, zero3, fsdp, tp, pp, 3d
     dp_flavour: str  # one of DP_FLAVOURS
-    # FSDP: free the gathered parameters after each block's forward (zero3) or keep them (zero2).
+    # FSDP: free the gathered parameters after each block's forward (zero3) or keep them (shard_grad_op).
     reshard_after_forward: bool = True
     prefetch_blocks: int = 1
     # Sharded states (params, grads, optimizer) kept in host memory (FSDP CPUOffloadPolicy).
     offload: bool = False
+    # Only the optimizer states (and fp32 masters) in host memory, stepped there (ZeRO-Offload).
+    offload_optimizer: bool = False
     sequence_parallel: bool = True
     loss_parallel: bool = True
     schedule: str = "1f1b"
@@ -83,7 +85,7 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        return self.dp_flavour in ("zero2", "zero3", "hybrid_shard") and self.dp_shard > 1
+        return self.dp_flavour in ("shard_grad_op", "zero3", "hybrid_shard") and self.dp_shard > 1
 
     @property
     def autocast(self) -> bool:
@@ -94,60 +96,24 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
 
-def _fsdp_flavour(sharding: str, reshard_after_forward: Optional[bool]) -> str:
-    if sharding == "hybrid_shard":
-        return "hybrid_shard"
-    if sharding == "shard_grad_op" or reshard_after_forward is False:
-        return "zero2"
-    return "zero3"
-
-
 def layout_from_config(cfg: DictConfig) -> Layout:
-    """The layout of a composed (and validated) config."""
-    from trainer.plugins.strategies.ddp import DDP, ZeRO1
-    from trainer.plugins.strategies.fsdp import FSDP
-    from trainer.plugins.strategies.pipeline import PipelineParallel
-    from trainer.plugins.strategies.tensor_parallel import TensorParallel
+    """The layout of a composed (and validated) config: the strategy states its own part of it
+    (`Strategy.planner_layout`), so a new strategy is planned as what it is, not by its class."""
     from trainer.config import data_parallel_size, world_size
 
-    s = cfg.strategy
-    strategy_cls = get_class(s._target_)
-    strategy = instantiate(s)
-    world = world_size(cfg)
-    dp = data_parallel_size(cfg)
-    replicate, shard = strategy.data_parallel_split(dp) if strategy_cls.uses_dp else (1, 1)
-    get = s.get
-    reshard = get("reshard_after_forward", None)
-    if issubclass(strategy_cls, ZeRO1):
-        flavour = "zero1"
-    elif issubclass(strategy_cls, DDP):
-        flavour = "ddp"
-    elif issubclass(strategy_cls, FSDP):
-        flavour = _fsdp_flavour(get("sharding", "full_shard"), reshard)
-    elif strategy_cls.uses_dp and get("data_parallel", None) is not None:  # 3d
-        data_parallel = get("data_parallel")
-        flavour = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "zero3",
-                   "hybrid_shard": "hybrid_shard"}[data_parallel]
-        reshard = data_parallel != "zero2"
-    else:
-        flavour = "none"
-    if dp == 1:
-        flavour = "none" if flavour in ("ddp", "zero1") else flavour
-    if reshard is None:
-        reshard = flavour != "zero2"
-    name = str(get("name", None) or strategy.name)
+    strategy = instantiate(cfg.strategy)
+    tp = int(cfg.tp) if strategy.uses_tp else 1
+    pp = int(cfg.pp) if strategy.uses_pp else 1
+    topology = strategy.planner_layout(data_parallel_size(cfg), tp, pp)
 
     precision = instantiate(cfg.precision)
     param_dtype = precision.param_dtype
     compute_dtype = precision.compute_dtype
-    unsharded, reduce = param_dtype, param_dtype
-    policy = getattr(precision, "fsdp_mixed_precision", None)
-    if callable(policy):
-        mp = policy()
-        unsharded = mp.param_dtype or param_dtype
-        reduce = mp.reduce_dtype or unsharded
+    mp = precision.fsdp_mixed_precision()
+    unsharded = mp.param_dtype or param_dtype
+    reduce = mp.reduce_dtype or unsharded
     # bf16_true's fp32 master copies: the optimizer steps them, so its moments are fp32 too
-    master = bool(getattr(precision, "master_weights", False)) and DTYPE_BYTES[param_dtype] < 4
+    master = precision.master_weights and DTYPE_BYTES[param_dtype] < 4
 
     checkpointing = instantiate(cfg.activation_checkpointing)
     opt_target = str(cfg.optimizer._target_).lower()
@@ -157,24 +123,12 @@ def layout_from_config(cfg: DictConfig) -> Layout:
         states = 1
     else:
         states = 0
-    layers = get("layers_per_stage", None)
     t = cfg.trainer
-    is_pp = issubclass(strategy_cls, PipelineParallel)
     return Layout(
-        world_size=world, dp_replicate=replicate, dp_shard=shard,
-        tp=int(cfg.tp) if issubclass(strategy_cls, TensorParallel) else 1,
-        pp=int(cfg.pp) if is_pp else 1,
-        strategy=name, dp_flavour=flavour, reshard_after_forward=bool(reshard),
-        prefetch_blocks=int(get("prefetch_blocks", 1)),
-        offload=bool(get("offload_params", False) or get("offload_optimizer", False)),
-        sequence_parallel=bool(get("sequence_parallel", True)), loss_parallel=bool(get("loss_parallel", True)),
-        schedule=str(get("schedule", "1f1b")), virtual_stages=int(get("virtual_stages", 1)),
-        layers_per_stage=None if layers is None else tuple(int(c) for c in layers),
-        embedding_weight=float(get("embedding_weight", 1.0)), head_weight=float(get("head_weight", 1.0)),
-        comm_hook=str(get("comm_hook", "none")), bucket_cap_mb=float(get("bucket_cap_mb", 25.0)),
-        checkpointing=str(checkpointing.name), checkpoint_every_n=int(getattr(checkpointing, "n", 1)),
+        world_size=world_size(cfg), strategy=str(cfg.strategy.get("name", None) or strategy.name), **topology,
+        checkpointing=str(checkpointing.name), checkpoint_every_n=checkpointing.checkpoint_every_n,
         micro_batch_size=int(t.micro_batch_size), global_batch_size=int(t.global_batch_size), seq_len=int(t.seq_len),
-        precision=str(getattr(precision, "name", "fp32")),
+        precision=str(precision.name),
         param_bytes=DTYPE_BYTES[param_dtype], compute_bytes=DTYPE_BYTES[compute_dtype], compute_dtype=compute_dtype,
         unsharded_param_bytes=DTYPE_BYTES[unsharded], reduce_bytes=DTYPE_BYTES[reduce],
         master_bytes=4 if master else 0,

@@ -9,9 +9,10 @@ gradients too, stage 3 (P_os+g+p) everything. `ZERO_PAPER` and `ZERO_STAGES` sta
 This trainer's number formats put the same 16 bytes elsewhere: fp32 and autocast mixed precision (bf16,
 fp16) keep fp32 parameters, which are the master copy, fp32 gradients and fp32 Adam moments: 4 + 4 + 8.
 `bytes_per_param(layout)` gives the split of a configured run. The sharding follows this trainer's
-strategies (`flavour_sharding`): ZeRO-2 and ZeRO-3 are FSDP2, whose parameters are sharded at rest in both
-cases (ZeRO-2 gathers them once per micro-batch and keeps them through the backward: a temporary here, the
-paper's persistent fp16 copy there).
+strategies (`flavour_sharding`): zero1 and zero2 are the paper's stages 1 and 2 (parameters replicated,
+optimizer states and for zero2 gradients partitioned); zero3, hybrid_shard and FSDP2's shard_grad_op
+keep parameters sharded at rest (shard_grad_op gathers them once per micro-batch and keeps them through
+the backward: a temporary here).
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def flavour_sharding(flavour: str) -> StateSharding:
         return ZERO_STAGES[0]
     if flavour == "zero1":
         return ZERO_STAGES[1]
-    return ZERO_STAGES[3]  # zero2, zero3, hybrid_shard: FSDP2 keeps parameters sharded between steps
+    if flavour == "zero2":
+        return ZERO_STAGES[2]
+    return ZERO_STAGES[3]  # zero3, hybrid_shard, shard_grad_op: FSDP2 keeps parameters sharded between steps
 
 
 def bytes_per_param(layout: Layout) -> BytesPerParam:
@@ -217,9 +220,9 @@ def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[in
             numel *= size
         rows = shape[0]
         row_numel = numel // rows if rows else 0
-        if flavour == "zero1":
+        if flavour in ("zero1", "zero2"):
             part = chunk_rows(rows, coords.dp_replicate, layout.dp_replicate) * row_numel
-        elif flavour in ("zero2", "zero3", "hybrid_shard"):
+        elif flavour in ("shard_grad_op", "zero3", "hybrid_shard"):
             part = chunk_rows(rows, coords.dp_shard, layout.dp_shard) * row_numel
         else:
             part = numel

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
-from trainer.planner.core import PlanOptions, RankEstimate, Suggestion, evaluate, fits, usable_bytes
+from trainer.planner.estimate import PlanOptions, RankEstimate, Suggestion, evaluate, fits, usable_bytes
 from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import Layout
 from trainer.planner.memory import GB
@@ -77,10 +77,10 @@ def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfi
                     continue
                 dp_flavour = "zero3" if offload else flavour
                 yield base.replace(
-                    dp_replicate=dp if dp_flavour in ("ddp", "zero1") else 1,
-                    dp_shard=dp if dp_flavour in ("zero2", "zero3") else 1,
+                    dp_replicate=dp if dp_flavour in ("ddp", "zero1", "zero2") else 1,
+                    dp_shard=dp if dp_flavour == "zero3" else 1,
                     tp=tp, pp=pp, dp_flavour=dp_flavour, offload=offload,
-                    reshard_after_forward=dp_flavour != "zero2", schedule=schedule, virtual_stages=virtual,
+                    reshard_after_forward=True, schedule=schedule, virtual_stages=virtual,
                     layers_per_stage=None, checkpointing=policy, checkpoint_every_n=2 if policy == "every_n" else 1,
                     micro_batch_size=micro, strategy=_strategy_name(dp_flavour, dp, tp, pp),
                     comm_hook="none",
@@ -102,14 +102,14 @@ def layout_overrides(layout: Layout) -> list[str]:
     (its sharding, offload, schedule...) cannot leak into the suggested strategy.
     """
     out = [f"strategy={layout.strategy}", f"tp={layout.tp}", f"pp={layout.pp}"]
-    if layout.strategy in ("zero2", "zero3"):
-        out.append(f"strategy.sharding={'shard_grad_op' if layout.strategy == 'zero2' else 'full_shard'}")
+    if layout.strategy == "zero3":
+        out.append("strategy.sharding=full_shard")
     if layout.strategy == "3d":
         out.append(f"strategy.data_parallel={layout.dp_flavour if layout.dp_flavour != 'none' else 'fsdp'}")
     if layout.strategy in ("pp", "3d"):
         out += [f"strategy.schedule={layout.schedule}", f"strategy.virtual_stages={layout.virtual_stages}"]
     if layout.strategy in ("ddp", "zero1", "zero2", "zero3", "3d"):
-        flag = str(layout.offload).lower()
+        flag = str(layout.offload).lower()  # every data-parallel strategy has the options (some refuse True)
         out += [f"strategy.offload_params={flag}", f"strategy.offload_optimizer={flag}"]
     out.append(f"activation_checkpointing={layout.checkpointing}")
     if layout.checkpointing == "every_n":
@@ -215,7 +215,7 @@ def _value_overrides(cfg: DictConfig) -> list[str]:
 
 
 def _choice(node: DictConfig) -> str:
-    """The option name of a group node, from its `_target_` class's `name`."""
+    """The option name of a precision node, from its `_target_` class's `name` (declared on the interface)."""
     from hydra.utils import get_class
 
-    return str(getattr(get_class(node._target_), "name", "fp32"))
+    return str(get_class(node._target_).name)

@@ -89,7 +89,7 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     m = layout.num_microbatches
     per_microbatch = compute / m
     # on the critical path: tensor- and pipeline-parallel traffic, ZeRO-1's gather after the step
-    zero1_gather = [c for c in collectives if c.op == "all-gather" and layout.dp_flavour == "zero1"]
+    zero1_gather = [c for c in collectives if c.op == "all-gather" and layout.dp_flavour in ("zero1", "zero2")]
     exposed = sum(c.time_s for c in collectives if c.dimension in ("tp", "pp")) + sum(c.time_s for c in zero1_gather)
     dp_time = sum(c.time_s for c in collectives if c.dimension == "dp" and c not in zero1_gather)
     if layout.fsdp:
@@ -109,6 +109,12 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
         gathers = 2 if layout.reshard_after_forward else 1
         link = hardware.host_to_device_bandwidth_gbps * 1e9
         offload = m * shard * (gathers * layout.param_bytes + layout.reduce_bytes) / link
+    elif layout.offload_optimizer and hardware.device_type != "cpu":
+        # ZeRO-Offload: the step on the host over this rank's partition; its gradients go down and the
+        # updated parameters come back once per step
+        optimizer = touched / (hardware.host_memory_bandwidth_gbps * 1e9 / hardware.devices_per_node)
+        offload = optimizer_numel * (layout.param_bytes + layout.reduce_bytes) / (
+            hardware.host_to_device_bandwidth_gbps * 1e9)
     else:
         optimizer = touched / (hardware.memory_bandwidth_gbps * 1e9)
     step = compute + bubble_s + exposed + optimizer + offload

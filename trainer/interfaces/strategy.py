@@ -1,23 +1,28 @@
-"""Base class of the strategy plugins and the single-process strategy.
+"""The strategy interface, with the single-process behaviour as its defaults.
 
 A strategy owns everything that depends on the process topology: the device, the process group, the
 order in which parallelisms are applied to the model, the forward/backward over micro-batches and the
-reductions of losses and gradient norms. The loop only ever sees a list of model parts.
+reductions of losses and gradient norms. It also owns the precision plugin for the whole step (as
+Lightning's strategy owns its precision plugin): the loop calls the strategy, the strategy calls the
+precision. The loop only ever sees a list of model parts.
+
+Every hook that the loop, config validation, checkpoints or the planner call is declared here with its
+default; implementations live in trainer/plugins/strategies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from trainer.plugins.activation_checkpointing import ActivationCheckpointing
-from trainer.plugins.precision import Precision
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+from trainer.interfaces.precision import Precision
 from trainer.loss import cross_entropy_loss
 from trainer.optim import optimizer_from_config
+from trainer.parallel_dims import ParallelDims
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,6 +63,52 @@ class Strategy:
         self.rank = 0
         self.world_size = 1
         self.local_rank = 0
+        # The process topology once `setup_environment` built it (None: one process, no mesh).
+        self.parallel_dims: ParallelDims | None = None
+        # The number format of every step; `connect_precision` replaces the fp32 identity.
+        self.precision: Precision = Precision()
+
+    def connect_precision(self, precision: Precision) -> None:
+        """Hand the strategy the precision plugin it uses for the whole run (before `setup_model`)."""
+        self.precision = precision
+
+    @property
+    def label(self) -> str:
+        """How messages name this strategy (`strategy=NAME`, plus options that change what it is)."""
+        return f"strategy={self.name}"
+
+    # ---- checks before launch (config validation and the planner call these; defaults accept) -----------
+    def check_device(self, device_type: str) -> None:
+        """Raise ValueError when an option cannot work on this device type (checked before launch)."""
+
+    def data_parallel_split(self, dp: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) for `dp` data-parallel ranks: replication unless a sharded strategy
+        says otherwise. Raises ValueError when `dp` cannot be split as the options ask."""
+        return dp, 1
+
+    def check_tensor_parallel(self, model_cfg: Any, tp: int, seq_len: int, sequence_parallel: bool = True) -> None:
+        """Raise ValueError when the model cannot be split over `tp` ranks (strategies without tensor
+        parallelism accept any model)."""
+
+    def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
+        """Raise ValueError when the layers, stages and micro-batches do not fit the pipeline schedule
+        (strategies without pipeline parallelism accept anything)."""
+
+    def check_reduce_dtype(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """Raise ValueError (the reason and the fix, one line) when this strategy cannot reduce gradients
+        held in `grad_dtype` in `reduce_dtype`. With one process nothing is reduced: accepted."""
+
+    @property
+    def pipeline_schedule(self) -> str | None:
+        """The pipeline schedule's name (`gpipe`, `1f1b`, ...); None without pipeline parallelism."""
+        return None
+
+    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+        """The fields of the planner's `Layout` (trainer/planner/layout.py) that this strategy decides, for
+        `dp`/`tp`/`pp` ranks: parallel sizes, the data-parallel flavour and what it shards, pipeline
+        schedule, communication options. A strategy extends its parent's dict with its own fields."""
+        del dp, tp, pp
+        return {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "dp_flavour": "none"}
 
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
@@ -68,9 +119,6 @@ class Strategy:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)
-
-    def check_device(self, device_type: str) -> None:
-        """Raise ValueError when an option cannot work on this device type (checked before launch)."""
 
     @property
     def dp_rank(self) -> int:
@@ -85,32 +133,49 @@ class Strategy:
         return self.rank == 0
 
     # ---- model --------------------------------------------------------------------------------------
-    def setup_model(
-        self,
-        model: nn.Module,
-        activation_checkpointing: ActivationCheckpointing,
-        precision: Precision,
-        compile: bool,
-    ) -> list[nn.Module]:
+    def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
+                    compile: bool) -> list[nn.Module]:
         """Turn a meta-device model into the trained model parts.
 
         The order is the same for every strategy: tensor parallel -> activation checkpointing ->
         compile -> data-parallel wrapping, then weights are materialized and initialized (here, with no
         sharding, materializing first is equivalent and simpler).
         """
-        precision.setup(self.device)
+        self.precision.setup(self.device)
         activation_checkpointing.apply(model)
         if compile:
             compile_blocks(model)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights()  # type: ignore[operator]
-        model.to(dtype=precision.param_dtype)
+        model.to(dtype=self.precision.param_dtype)
         return [model]
 
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The model part without the data-parallel wrapper this strategy put around it."""
+        return module
+
     def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
-        """The configured optimizer over the model parts (ZeRO-1 wraps it to shard its states)."""
+        """The configured optimizer over the model parts (ZeRO-1 shards its states), handed to the
+        precision plugin before anything steps or loads it (bf16_true installs its fp32 masters)."""
+        optimizer = self.make_optimizer(optimizer_cfg, model_parts)
+        self.precision.setup_optimizer(optimizer, host=self.optimizer_host)
+        return optimizer
+
+    @property
+    def optimizer_host(self) -> torch.device | None:
+        """Where the optimizer's states live and its step runs when they are offloaded from the device
+        (ZeRO-Offload's `offload_optimizer`); None: beside the parameters."""
+        return None
+
+    def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
+        """The optimizer itself (override this, not `build_optimizer`, to step other tensors)."""
         return optimizer_from_config(optimizer_cfg, model_parts)
+
+    def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, the tensor the optimizer steps in its place) pairs, so that a checkpoint can name
+        the stand-in's optimizer states after the parameter. Empty: the optimizer steps the parameters."""
+        return []
 
     def full_state_dict(self, model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
         """The unsharded, unwrapped model weights on CPU (every rank takes part; use rank 0's)."""
@@ -127,51 +192,57 @@ class Strategy:
         self,
         model_parts: Sequence[nn.Module],
         microbatches: Sequence[MicroBatch],
-        precision: Precision,
         on_before_backward: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; return the mean loss of this rank (detached)."""
         (model,) = model_parts
         total = torch.zeros((), device=self.device)
         for inputs, targets in microbatches:
-            total += self.microbatch_backward(model, inputs, targets, len(microbatches), precision,
-                                              on_before_backward)
+            total += self.microbatch_backward(model, inputs, targets, len(microbatches), on_before_backward)
         return total
 
     def microbatch_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                            num_microbatches: int, precision: Precision,
+                            num_microbatches: int,
                             on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss divided by the number of micro-batches
         so that the accumulated gradient is the gradient of the mean loss (they hold equal token
         counts). Returns that divided loss, detached."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        with precision.autocast():
+        with self.precision.autocast():
             logits = model(inputs)
         loss = cross_entropy_loss(logits, targets) / num_microbatches
         if on_before_backward is not None:
             on_before_backward(loss)
-        precision.scale_loss(loss).backward()
+        self.precision.scale_loss(loss).backward()
         return loss.detach()
 
     @torch.no_grad()
-    def evaluate(
-        self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch], precision: Precision
-    ) -> float:
+    def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
         """Mean loss over the validation batches (each rank evaluates its slice)."""
         (model,) = model_parts
         model.eval()
         total = torch.zeros((), device=self.device)
         for inputs, targets in batches:
-            with precision.autocast():
+            with self.precision.autocast():
                 logits = model(inputs.to(self.device))
             total += cross_entropy_loss(logits, targets.to(self.device))
         model.train()
         return self.reduce_mean(total / len(batches)).item()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
+    def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
+        """Turn this rank's accumulated gradients into the data-parallel mean, where the optimizer reads
+        them. Called once per step, after the last micro-batch's backward; strategies whose wrappers
+        reduce during the backward (DDP, FSDP) and one process have nothing left to do."""
+        del model_parts
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer, model_parts: Sequence[nn.Module]) -> None:
+        """Bring the gradients to true units before clipping (fp16: unscale and agree on overflow)."""
+        self.precision.unscale_gradients(optimizer, model_parts)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer (through the precision plugin, which may skip); True if it stepped."""
-        return precision.optimizer_step(optimizer)
+        return self.precision.optimizer_step(optimizer)
 
     def zero_grad(self, model_parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -189,6 +260,10 @@ class Strategy:
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's value of `obj` on every rank."""
+        return obj
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
@@ -197,14 +272,3 @@ class Strategy:
 
     def teardown(self) -> None:
         pass
-
-
-class SingleDevice(Strategy):
-    """One process, one device: the reference every other strategy is checked against."""
-
-
-@dataclass
-class SingleDeviceConfig:
-    """Schema of `strategy=single`."""
-
-    _target_: str = "trainer.plugins.strategies.SingleDevice"

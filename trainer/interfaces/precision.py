@@ -1,18 +1,24 @@
-"""Base class of the precision plugins.
+"""The precision interface: what the strategy asks of a number format.
 
-Every hook is the identity for full fp32 training, so a plugin overrides only what its number format
-changes (autocast region, parameter dtype, loss scaling, the optimizer step that may be skipped on
-overflow, FSDP's mixed-precision policy).
+Every hook is the identity for full fp32 training, so a plugin (trainer/plugins/precision) overrides only
+what its number format changes (autocast region, parameter dtype, loss scaling, the optimizer step that
+may be skipped on overflow, FSDP's mixed-precision policy). The strategy owns its precision plugin
+(`Strategy.precision`): the loop never calls one directly.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from trainer.optim import SteppedCopies
+
+if TYPE_CHECKING:
+    from trainer.interfaces.strategy import Strategy
 
 # Names of the dtypes in configs and messages.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,33 +42,59 @@ class Precision:
     compute_dtype: torch.dtype = torch.float32
     # dtype data-parallel gradient reductions should use (None: the gradients' own dtype).
     reduce_dtype: torch.dtype | None = None
+    # Whether the optimizer steps fp32 copies of lower-precision parameters (bf16_true); the planner and
+    # the state report count those copies.
+    master_weights: bool = False
+    # Whether the plugin itself skips the steps whose gradients are not finite (a dynamic loss scaler
+    # treats them as routine: it lowers the scale), so callbacks do not count them as failures.
+    skips_nonfinite_steps: bool = False
 
     def __init__(self) -> None:
         # Set by the strategy once it knows the device (autocast needs the device type).
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        # What the optimizer steps in place of the strategy's tensors, if anything (`setup_optimizer`).
+        self.copies: SteppedCopies | None = None
 
     def setup(self, device: torch.device) -> None:
         """Called by the strategy before the model is built on `device`."""
         self.device_type = device.type
 
-    def check_strategy(self, strategy: Any, device_type: str) -> None:
-        """Raise ValueError (one line naming both) when `strategy` cannot honour this precision.
+    def check_strategy(self, strategy: "Strategy", device_type: str) -> None:
+        """Raise ValueError (one line naming both) when `strategy` on `device_type` cannot honour this
+        precision. Called by config validation before any process starts; the rules ask the strategy
+        through its interface (`Strategy.check_reduce_dtype`) rather than by its class."""
+        label = f"precision={self.name}"
+        if self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype:
+            try:
+                strategy.check_reduce_dtype(self.param_dtype, self.reduce_dtype)
+            except ValueError as error:
+                raise ValueError(f"{label} with precision.reduce_dtype={DTYPE_NAMES[self.reduce_dtype]}: "
+                                 f"{strategy.label} {error}") from None
+        if device_type == "cuda" and self.compute_dtype == torch.bfloat16 and torch.cuda.is_available() \
+                and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"{label}: this GPU ({torch.cuda.get_device_name()}) has no bf16 support "
+                             "(it needs compute capability >= 8.0); use precision=fp16")
 
-        Called by `trainer.config.validate` before any process starts; the rules are in
-        `trainer.plugins.precision.compat`.
-        """
-        from trainer.plugins.precision.compat import check_precision_strategy
-
-        check_precision_strategy(self, strategy, device_type)
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called once when the run is assembled, before anything steps or loads the optimizer (bf16_true
-        installs its fp32 master copies here)."""
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, host: torch.device | None = None) -> None:
+        """Called once by the strategy when the run is assembled, before anything steps or loads the
+        optimizer. The optimizer is made to step copies of its tensors when this precision keeps fp32
+        master weights of lower-precision parameters (bf16_true), or when the strategy offloads the
+        optimizer to `host` memory (ZeRO-Offload: states, masters and the step all live there)."""
+        master = self.master_weights and self.param_dtype != torch.float32
+        if (master or host is not None) and self.copies is None:
+            self.copies = SteppedCopies(optimizer, torch.float32 if master else None, host)
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(tensor the strategy gave the optimizer, the copy the optimizer steps in its place) pairs, so
-        that a checkpoint can name the copy's optimizer states after the parameter. Empty by default."""
-        return []
+        that a checkpoint can name the copy's optimizer states after the parameter."""
+        return list(self.copies.pairs) if self.copies is not None else []
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One optimizer update, through the stepped copies when there are any."""
+        if self.copies is not None:
+            self.copies.step(optimizer)
+        else:
+            optimizer.step()
 
     def autocast(self) -> ContextManager[Any]:
         """Context entered around every forward pass."""
@@ -86,7 +118,7 @@ class Precision:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Take the step; return False when it was skipped (e.g. on fp16 overflow)."""
-        optimizer.step()
+        self.step(optimizer)
         return True
 
     def metrics(self) -> dict[str, float]:
@@ -99,10 +131,6 @@ class Precision:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
-
-
-class FP32Precision(Precision):
-    """Plain fp32 training (the reference all other precisions are compared with)."""
 
 
 def gradients(optimizer: torch.optim.Optimizer, model_parts: Sequence[nn.Module]) -> Iterator[torch.Tensor]:

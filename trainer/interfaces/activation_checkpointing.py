@@ -1,11 +1,14 @@
-"""Base class of the activation-checkpointing policies."""
+"""The activation-checkpointing interface: a policy that rewrites transformer blocks before compile and
+data-parallel wrapping (implementations in trainer/plugins/activation_checkpointing)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from trainer.interfaces.strategy import Strategy
 
 
 class ActivationCheckpointing:
@@ -19,6 +22,11 @@ class ActivationCheckpointing:
 
     name: str = "none"
 
+    @property
+    def checkpoint_every_n(self) -> int:
+        """Every how many blocks the policy acts (the planner's activation-memory model reads it)."""
+        return 1
+
     def wrap_block(self, block: nn.Module, layer_index: int, num_layers: int) -> nn.Module:
         del layer_index, num_layers
         return block
@@ -28,7 +36,7 @@ class ActivationCheckpointing:
         (called by config validation, before any process starts)."""
         del num_layers
 
-    def check_strategy(self, strategy: Any) -> None:
+    def check_strategy(self, strategy: "Strategy") -> None:
         """Raise ValueError, naming both, when the (instantiated, not yet set up) strategy cannot run this
         policy (called by config validation)."""
         del strategy
@@ -45,14 +53,3 @@ class ActivationCheckpointing:
             # blocks as the whole model would: every_n gives the same recomputation under any split.
             index = int(name) if name.isdigit() else position
             layers[name] = self.wrap_block(block, index, num_layers)
-
-
-class NoCheckpointing(ActivationCheckpointing):
-    """Keep every activation: fastest, most memory."""
-
-
-@dataclass
-class NoCheckpointingConfig:
-    """Schema of `activation_checkpointing=none`."""
-
-    _target_: str = "trainer.plugins.activation_checkpointing.NoCheckpointing"

@@ -1,0 +1,320 @@
+"""The pipeline component: this rank's stages, the schedule that drives them, and what crosses stages.
+
+Each rank of the `pp` mesh dimension holds one stage (or, for the interleaved schedules, several
+"virtual" stages r, r + P, r + 2P, ...: Narayanan et al. 2021). A stage is a copy of the model that
+keeps only its own transformer blocks (`layers` keys unchanged, so checkpoints and optimizer states
+keep their names); the token embedding lives on the first stage, the final norm and the output head
+on the last (`CausalLM.first_stage_modules` / `last_stage_modules`), and the model's forward skips
+the modules that are None.
+
+One optimizer step is one schedule step over this rank's micro-batches: the data loader already
+cuts the global batch into `global_batch / (micro_batch x dp)` micro-batches, which become the
+pipeline's micro-batches, so the arithmetic is exactly that of gradient accumulation. The loss
+function divides each micro-batch loss by their number (the schedule's own gradient scaling is off),
+so gradients equal those of the single-process mean loss.
+
+`Pipeline` is held by `strategy=pp` and `strategy=3d` (made when they split the model, pp > 1); it is
+given the options, the process topology, the device and the precision plugin, and knows nothing of
+tensor or data parallelism: the parts it is handed may be TP-sharded and FSDP-wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from trainer.interfaces.precision import Precision
+from trainer.interfaces.strategy import MicroBatch
+from trainer.loss import cross_entropy_loss
+from trainer.parallel_dims import ParallelDims
+from trainer.plugins.strategies.pipeline_schedule import SCHEDULES, PipelineOptions, PrecisionStage
+from trainer.plugins.strategies.pipeline_split import split_model, stage_indices_of_rank
+from trainer.plugins.strategies.pipeline_tied import TiedWeights, local_tensor
+
+log = logging.getLogger("trainer")
+# Stage s > 0 offsets the seed by s x this prime (sharded init of its weights, then its dropout masks).
+STAGE_SEED_STRIDE = 1_000_003
+
+
+@contextlib.contextmanager
+def stage_init_seed(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Around the initialization of one stage on its own (big models): each stage draws from its own seed.
+
+    Every rank starts from the same seed, so without an offset stages that lack the embedding would draw
+    identical numbers and initialize their blocks identically. (Models that fit are initialized in full
+    before the split instead: their `pp_stage_index` is that of the whole model, 0.)
+    """
+    stage = getattr(module, "pp_stage_index", 0)
+    if stage == 0:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(torch.initial_seed() + STAGE_SEED_STRIDE * stage)
+        yield
+
+
+class Pipeline:
+    """This rank's pipeline stages over the `pp` mesh dimension and the schedule that runs them."""
+
+    def __init__(self, options: PipelineOptions, dims: ParallelDims, device: torch.device, precision: Precision,
+                 *, compute_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+                 log_layout: bool = False) -> None:
+        self.options = options
+        self.dims = dims
+        self.device = device
+        self.precision = precision  # autocast of the stages' forwards, scaling of the loss
+        self.compute_loss = compute_loss  # the mean token loss of one micro-batch on the last stage
+        self.log_layout = log_layout
+        self.num_stages = self.pp_size * options.virtual_stages
+        # Filled by `split` / built lazily on the first step (the schedule needs the number of
+        # micro-batches, which only the loop knows).
+        self.stage_ranges: list[range] = []
+        self.stage_indices: list[int] = []
+        self.stages: list[PrecisionStage] = []
+        self._schedule: Any = None
+        self._schedule_microbatches = 0
+        self._scale_in_loss = False
+        self._recorded_losses: list[torch.Tensor] = []
+        self.tied = TiedWeights()
+
+    # ---- topology -----------------------------------------------------------------------------------
+    @property
+    def pp_mesh(self) -> Any:
+        return self.dims.mesh["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_mesh.get_local_rank()
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pp_mesh.get_group()
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+    @property
+    def last_stage_pp_rank(self) -> int:
+        """pp-group rank of the stage that computes the loss (looped placement: stage s on rank s % P)."""
+        return (self.num_stages - 1) % self.pp_size
+
+    # ---- model --------------------------------------------------------------------------------------
+    def split(self, model: nn.Module) -> list[nn.Module]:
+        """This rank's stages of `model`, in increasing stage order (the order the schedule expects)."""
+        self.stage_ranges = self.options.stage_ranges(len(model.layers), self.num_stages)  # type: ignore[arg-type]
+        self.stage_indices = stage_indices_of_rank(self.pp_rank, self.pp_size, self.options.virtual_stages)
+        if self.log_layout:
+            layout = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self.stage_ranges))
+            log.info(f"pipeline: {self.num_stages} stages over pp={self.pp_size} ({self.options.schedule}); {layout}")
+        parts = split_model(model, self.stage_ranges, self.stage_indices)
+        self.tied.make_group(model, self.dims.mesh, self.pp_size, self.last_stage_pp_rank)
+        return parts
+
+    def finish_setup(self, parts: Sequence[nn.Module], unwrap: Callable[[nn.Module], nn.Module]) -> None:
+        """After the parts are materialized and wrapped: one value for the tied weights, and each stage's
+        own dropout stream."""
+        self.tied.find(parts, unwrap, self.num_stages)
+        self.tied.broadcast_from_first_stage()
+        if self.pp_rank > 0:
+            # Every rank was seeded alike; without an offset, dropout on stage s would draw the same masks
+            # as on stage 0. (Data order does not use torch's generator.)
+            torch.manual_seed(torch.initial_seed() + STAGE_SEED_STRIDE * self.pp_rank)
+
+    def optimizer_modules(self, model_parts: Sequence[nn.Module]) -> list[nn.Module]:
+        """The modules whose parameters the optimizer groups are made from."""
+        return self.tied.optimizer_modules(model_parts)
+
+    # ---- step ---------------------------------------------------------------------------------------
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: 1/M of the micro-batch loss, loss-scaled when training.
+
+        Dividing by M here (and telling the schedule not to rescale gradients) makes the accumulated
+        gradient that of the mean loss over the step, as in single-process gradient accumulation.
+        The unscaled value is recorded for reporting. torch's shape inference also calls this once
+        before the real micro-batches (first step, and after each evaluation), hence "the last M".
+        """
+        loss = self.compute_loss(output, targets) / self._schedule_microbatches
+        self._recorded_losses.append(loss.detach())
+        if self._scale_in_loss:
+            return self.precision.scale_loss(loss)
+        return loss
+
+    def _build_schedule(self, model_parts: Sequence[nn.Module], num_microbatches: int) -> Any:
+        if self._schedule is not None and self._schedule_microbatches == num_microbatches:
+            return self._schedule
+        if len(model_parts) != len(self.stage_indices):
+            raise RuntimeError(f"expected {len(self.stage_indices)} model parts (this rank's stages), "
+                               f"got {len(model_parts)}")
+        self.stages = [
+            PrecisionStage(part, index, self.num_stages, self.device, group=self.pp_group,
+                           autocast=self.precision.autocast)
+            for part, index in zip(model_parts, self.stage_indices)
+        ]
+        schedule_class = SCHEDULES[self.options.schedule]
+        stages: Any = self.stages if self.options.multi_stage else self.stages[0]
+        self._schedule_microbatches = num_microbatches
+        # scale_grads=False: the loss function already divides by the number of micro-batches
+        self._schedule = schedule_class(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
+                                        scale_grads=False)
+        return self._schedule
+
+    def _run_schedule(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
+                      train: bool) -> torch.Tensor:
+        """One schedule step (train) or forward pass (eval); the mean loss, on the last stage only."""
+        num = len(microbatches)
+        schedule = self._build_schedule(model_parts, num)
+        self._scale_in_loss = train
+        self._recorded_losses = []
+        args: tuple[torch.Tensor, ...] = ()
+        if self.holds_first_stage:  # the schedule cuts the local batch back into the same micro-batches
+            args = (torch.cat([x for x, _ in microbatches]).to(self.device, non_blocking=True),)
+        target = None
+        losses: list[torch.Tensor] | None = None
+        if self.holds_last_stage:
+            target = torch.cat([y for _, y in microbatches]).to(self.device, non_blocking=True)
+            losses = []
+        if train:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        if not self.holds_last_stage:
+            return torch.zeros((), device=self.device)
+        assert losses is not None and len(losses) == num, f"expected {num} micro-batch losses, got {losses}"
+        return torch.stack(self._recorded_losses[-num:]).sum()
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's value on every rank of the pp group (so every rank can log it)."""
+        value = value.detach().clone().float()
+        dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_pp_rank)
+        return value
+
+    def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch]) -> torch.Tensor:
+        """Run the schedule over this rank's micro-batches; the mean loss on every pp rank.
+
+        The backward passes happen inside torch's schedule (so a strategy's `on_before_backward` is not
+        called). The loss goes through `precision.scale_loss` in the loss function, so a loss scaler
+        scales what the schedule back-propagates.
+        """
+        loss = self._run_schedule(model_parts, microbatches, train=True)
+        self.tied.sum_grads()
+        return self._from_last_stage(loss)
+
+    @torch.no_grad()
+    def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> torch.Tensor:
+        """Mean loss over the validation micro-batches, forward only (`schedule.eval`), on every pp rank
+        (not yet averaged over data-parallel ranks).
+
+        The batches are run in groups of the training schedule's micro-batch count (run.py builds the
+        validation set as `val_batches` such groups), so the same stages and buffers serve both.
+        """
+        num = self._schedule_microbatches or len(batches)
+        if len(batches) % num:
+            raise ValueError(f"{len(batches)} validation micro-batches do not split into pipeline steps of {num}")
+        for part in model_parts:
+            part.eval()
+        try:
+            total = torch.zeros((), device=self.device)
+            for start in range(0, len(batches), num):
+                total += self._run_schedule(model_parts, batches[start:start + num], train=False)
+        finally:
+            for part in model_parts:
+                part.train()
+        return self._from_last_stage(total / (len(batches) // num))
+
+    # ---- across stages --------------------------------------------------------------------------------
+    def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
+        """Global L2 norm over every stage's gradients; clip all of them by the same factor.
+
+        Each rank sums the squares of its stages' gradient norms, the sums are all-reduced over the pp
+        group, and every rank scales its gradients by max_norm / (norm + 1e-6) capped at 1 (the formula
+        of `torch.nn.utils.clip_grad_norm_`). Sharded gradients (DTensor, from FSDP or TP) contribute
+        their full norm, reduced over their own mesh.
+        """
+        params: dict[int, nn.Parameter] = {}
+        for part in model_parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    params.setdefault(id(p), p)
+        grads = [p.grad for p in params.values()]
+        # a tied head's copy holds the same gradient as the embedding on the first stage: count it once
+        counted = [p.grad for p in params.values() if not self.tied.is_mirror(p)]
+        squared = local_grad_norm(counted) ** 2  # type: ignore[arg-type]
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
+        total = squared.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            with torch.no_grad():
+                for grad in grads:
+                    local = local_tensor(grad)  # type: ignore[arg-type]
+                    local.mul_(coef.to(local.device, local.dtype))
+        return total
+
+    def full_state_dict(self, model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+        """Every stage's full weights, gathered to pp rank 0 (other ranks get only their own stages).
+
+        Keys are those of the unsplit model, so the result loads into a single-process model.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Not the base strategy's options: with cpu_offload torch returns the full weights on global rank 0
+        # only, and the other stages' ranks would send nothing. Gathered unsharded on every rank of the
+        # stage's own dp/tp mesh, then moved to CPU here.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        local: dict[str, torch.Tensor] = {}
+        for part in model_parts:
+            for key, value in get_model_state_dict(part, options=options).items():
+                local[key] = value.detach().cpu()
+        gathered: list[Any] | None = [None] * self.pp_size if self.pp_rank == 0 else None
+        dist.gather_object(local, gathered, group=self.pp_group, group_dst=0)
+        if gathered is None:
+            return local
+        merged: dict[str, torch.Tensor] = {}
+        for stage_weights in gathered:
+            merged.update(stage_weights)
+        return merged
+
+    def release(self) -> None:
+        """Drop the stages and the schedule, which hold the model parts (and any reducer inside them):
+        they must be released before the process group is destroyed."""
+        self.stages, self._schedule = [], None
+        self.tied.release()
+
+
+def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of `grads` (plain tensors and DTensors, possibly on different meshes), as a plain tensor.
+
+    DTensors are grouped by mesh and placements (torch's foreach norm needs one layout per call); the
+    norm of a sharded group is a Partial DTensor whose `full_tensor()` sums over that mesh, and that of
+    a replicated one is already complete.
+    """
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("plain", grad.device)
+        groups.setdefault(key, []).append(grad)
+    squares: list[torch.Tensor] = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    if not squares:
+        device = grads[0].device if grads else torch.device("cpu")
+        return torch.zeros((), device=device)
+    device = squares[0].device
+    return torch.stack([s.to(device) for s in squares]).sum().sqrt()

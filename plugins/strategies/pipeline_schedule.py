@@ -1,0 +1,145 @@
+"""The pipeline's options and schedules: which torch schedule runs the stages, and whether it can.
+
+Schedules (`strategy.schedule`):
+- `gpipe`: all forwards, then all backwards (Huang et al. 2019). Bubble (P-1)/(M+P-1); keeps the
+  activations of all M micro-batches.
+- `1f1b`: one forward one backward in the steady state (PipeDream-Flush, Narayanan et al. 2021).
+  Same bubble, at most P micro-batches of activations in flight.
+- `interleaved_1f1b`: V virtual stages per rank (`strategy.virtual_stages`); the bubble shrinks by
+  about V at the price of V times more point-to-point messages.
+- `zero_bubble`: torch's `ScheduleInterleavedZeroBubble` (ZB1P of Qi et al. 2024): the backward is
+  split into input-gradient and weight-gradient parts, and the weight parts fill the bubbles. It uses
+  the same looped stage placement as interleaved 1F1B (rank r holds stages r, r + P, ...).
+  torch's other zero-bubble schedule, `ScheduleZBVZeroBubble`, places stages in a V (rank 0 holds the
+  first and the last stage) and needs exactly 2 stages per rank; it is not exposed here.
+
+`PipelineOptions` holds what `strategy=pp` and `strategy=3d` share (schedule, virtual stages, layer
+split), checked on creation and against the model and batch sizes before launch (`validate`);
+`PrecisionStage` is the stage torch drives, with the precision plugin's autocast around its forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from trainer.plugins.strategies.pipeline_split import stage_layer_ranges
+
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+# Schedules that drive several stages per rank (torch's PipelineScheduleMulti family).
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
+
+@dataclass
+class PipelineOptions:
+    """How the layers are cut into stages and which schedule runs them (checked on creation)."""
+
+    schedule: str = "1f1b"
+    # Stages per rank: rank r holds stages r, r + pp, r + 2 pp, ...
+    virtual_stages: int = 1
+    # Blocks of each stage in stage order (pp x virtual_stages entries); None: balanced by the weights.
+    layers_per_stage: Optional[Sequence[int]] = None
+    embedding_weight: float = 1.0
+    head_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        schedule, virtual_stages = self.schedule, self.virtual_stages
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+        if virtual_stages > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+            raise ValueError(f"schedule={schedule} runs one stage per rank; virtual_stages={virtual_stages} "
+                             f"needs schedule={' or '.join(MULTI_STAGE_SCHEDULES)}")
+        if self.embedding_weight < 0 or self.head_weight < 0:
+            raise ValueError(f"embedding_weight and head_weight must be >= 0, got {self.embedding_weight} and "
+                             f"{self.head_weight}")
+        if self.layers_per_stage is not None:
+            if any(int(c) < 1 for c in self.layers_per_stage):
+                raise ValueError(f"layers_per_stage={list(self.layers_per_stage)}: every stage needs at least "
+                                 "one layer")
+            self.layers_per_stage = [int(c) for c in self.layers_per_stage]
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the schedule drives several stages per rank (it is given a list of stages)."""
+        return self.schedule in MULTI_STAGE_SCHEDULES
+
+    def stage_ranges(self, num_layers: int, num_stages: int) -> list[range]:
+        """The layers of every stage, as given or balanced (`stage_layer_ranges`)."""
+        return stage_layer_ranges(num_layers, num_stages, layers_per_stage=self.layers_per_stage,
+                                  embedding_weight=self.embedding_weight, head_weight=self.head_weight)
+
+    def planner_fields(self, pp: int) -> dict[str, Any]:
+        """The pipeline's fields of the planner's `Layout`."""
+        return {"pp": pp, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "layers_per_stage": None if self.layers_per_stage is None else tuple(self.layers_per_stage),
+                "embedding_weight": float(self.embedding_weight), "head_weight": float(self.head_weight)}
+
+    def validate(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
+        """Raise ValueError (one line) when `pp` >= 2 stages cannot be built or torch's schedule would refuse.
+
+        `num_microbatches` is the number of micro-batches per optimizer step on one data-parallel rank,
+        global_batch_size / (micro_batch_size x dp): the schedule's micro-batches.
+        """
+        stages = pp * self.virtual_stages
+        if pp > num_layers:
+            raise ValueError(f"pp={pp} is more than the model's {num_layers} layers: every pipeline stage needs "
+                             f"at least one transformer block (use pp <= {num_layers})")
+        if stages > num_layers:
+            raise ValueError(f"pp x strategy.virtual_stages = {pp} x {self.virtual_stages} = {stages} stages need "
+                             f"at least {stages} layers, the model has {num_layers}")
+        if self.layers_per_stage is not None:
+            stage_layer_ranges(num_layers, stages, layers_per_stage=self.layers_per_stage)
+        where = ("micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = "
+                 f"{num_microbatches}")
+        if num_microbatches < pp:
+            raise ValueError(f"{where}, fewer than the pp={pp} pipeline stages (each stage would idle most of "
+                             "the step): raise trainer.global_batch_size or lower trainer.micro_batch_size")
+        if self.multi_stage:
+            # torch's looped schedules run the micro-batches in max(1, M // pp) rounds of equal size and
+            # refuse an M that does not split evenly (ScheduleInterleaved1F1B / ...ZeroBubble __init__).
+            rounds = max(1, num_microbatches // pp)
+            if num_microbatches % rounds:
+                raise ValueError(f"{where}, but schedule={self.schedule} runs them in max(1, M // pp) = "
+                                 f"{rounds} rounds and torch needs M divisible by that: use a multiple of pp={pp}")
+        if self.schedule == "zero_bubble" and compile:
+            raise ValueError("schedule=zero_bubble splits each backward into input- and weight-gradient parts, "
+                             "which torch does not support for compiled modules: set trainer.compile=false or "
+                             "pick schedule=interleaved_1f1b")
+
+
+class PrecisionStage(PipelineStage):
+    """A PipelineStage whose forward passes run inside the precision plugin's autocast region.
+
+    Autocast must cover the forward (and the shape inference that sizes the receive buffers, so that
+    their dtype matches what the previous stage actually sends) but not the backward, so it is entered
+    per forward call instead of around the whole schedule step.
+    """
+
+    def __init__(self, *args: Any, autocast: Callable[[], ContextManager[Any]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._autocast = autocast
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+
+    def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
+        # the forward of torch's metadata inference (first step, and after each eval/train switch)
+        with self._autocast():
+            return super()._compute_outputs(*args, module=module, **kwargs)

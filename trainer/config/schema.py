@@ -1,0 +1,142 @@
+"""The typed schema of a run: the top-level `Config` and its non-group sections.
+
+Hydra composes conf/config.yaml + overrides onto `Config` (stored in the ConfigStore as `config_schema`),
+so an unknown key or a wrong type fails at composition. The defaults of every top-level value and of
+`trainer.*`, `sweep.*` and `plan.*` live here and only here (conf/config.yaml does not repeat them); the
+group nodes (`model`, `strategy`, ...) are typed by their own family's schemas (trainer/config/registry.py).
+
+Core modules (the training loop) import `TrainerConfig` from this module, so it imports nothing from
+trainer.plugins and nothing heavy: only dataclasses and omegaconf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+# Allowed values of the string options below (checked by trainer/config/validation.py).
+MODES = ("train", "plan")
+PLAN_FORMATS = ("table", "json")
+ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainerConfig:
+    """Options of the training loop (`trainer.*`)."""
+
+    # Stop after this many optimizer steps (None: only max_tokens decides).
+    max_steps: Optional[int] = 200
+    # Stop once this many tokens were consumed (None: only max_steps decides); the earlier limit wins.
+    max_tokens: Optional[int] = None
+    # Seed of weights, data order and dropout: the same seed and config give the same run.
+    seed: int = 1337
+    # Processes per node (one per GPU, or CPU workers with gloo).
+    devices: int = 1
+    # Number of nodes; world size = devices * num_nodes.
+    num_nodes: int = 1
+    # Sequences per forward pass on one rank.
+    micro_batch_size: int = 8
+    # Sequences per optimizer step over all data-parallel ranks
+    # (= micro_batch_size x accumulation steps x data-parallel size).
+    global_batch_size: int = 16
+    # Tokens per sequence.
+    seq_len: int = 256
+    # Validate every N optimizer steps (0: only at the end).
+    val_every: int = 100
+    # Global batches of validation data at each evaluation (the same sequences for every strategy).
+    val_batches: int = 4
+    # Write metrics every N optimizer steps.
+    log_every: int = 10
+    # Clip the global gradient norm to this value (0 disables clipping; the norm is logged anyway).
+    grad_clip: float = 1.0
+    # torch.compile each transformer block.
+    compile: bool = False
+    # auto (CUDA if present, else CPU), cpu or cuda.
+    accelerator: str = "auto"
+    # Intra-op threads per process (None: PyTorch's default, cores / local processes when launched).
+    num_threads: Optional[int] = None
+    # Peak FLOP/s of one device for MFU (None: from the GPU model, or a measured matmul peak on CPU).
+    peak_flops: Optional[float] = None
+    # Multi-node runs started by `python -m trainer` on each node (not torchrun/srun): host:port of the
+    # rendezvous (node 0's address) and an id shared by the nodes of one job.
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: str = "trainer"
+    # Restart all workers this many times when one fails (0: the job ends with the failing rank's error).
+    max_restarts: int = 0
+
+
+@dataclass
+class SweepConfig:
+    """Options of the jobs of a multirun sweep (`sweep.*`; they apply to single runs too)."""
+
+    # Before starting any worker, ask the planner whether the job fits in memory; a job that does not
+    # is not run and is recorded as `skipped_unfit` in its status.json (see trainer/sweep.py).
+    skip_unfit: bool = False
+    # The fit check: a function config -> plan with a boolean `.fits` (the project's planner by default).
+    planner: str = "trainer.planner.plan"
+
+
+@dataclass
+class PlanConfig:
+    """Options of `mode=plan` (`plan.*`): memory, communication, time and fit of the composed config on the
+    `hardware` group's machine, without running it (trainer/planner, docs/ARCHITECTURE.md)."""
+
+    # table (a human report) or json (the report, then one JSON object as the last line of output).
+    format: str = "table"
+    # Also build the real model on the meta device under a fake process group and count the analysed
+    # rank's parameter, gradient and optimizer bytes exactly (shown beside the analytic figures).
+    exact: bool = True
+    # Global rank to analyse (null: the rank with the highest device-memory estimate).
+    rank: Optional[int] = None
+    # Enumerate dp, tp, pp, ZeRO stage / FSDP mode, checkpointing policy, schedule and micro-batch for the
+    # world size and hardware, keep what fits, rank by estimated throughput (always done when the
+    # configuration does not fit).
+    search: bool = False
+    # Suggestions printed by the search.
+    top: int = 5
+    # Fraction of usable device (and host) memory kept free for allocator fragmentation and what the
+    # estimate leaves out.
+    headroom: float = 0.1
+    # Fraction of the peak FLOP/s the model's matmuls reach (step time, tokens/s, MFU estimates).
+    matmul_efficiency: float = 0.6
+    # Write a memory-breakdown bar chart (PNG) to this path (null: no chart).
+    chart: Optional[str] = None
+
+
+@dataclass
+class Config:
+    """The whole run. Group nodes are typed by their own `<option>_schema`."""
+
+    model: Any = MISSING
+    data: Any = MISSING
+    strategy: Any = MISSING
+    precision: Any = MISSING
+    activation_checkpointing: Any = MISSING
+    optimizer: Any = MISSING
+    lr_schedule: Any = MISSING
+    # Named loggers (csv is always added); e.g. `logger=[csv,wandb]`.
+    logger: dict[str, Any] = field(default_factory=dict)
+    # Named callbacks; add your own with `+callbacks.NAME._target_=pkg.Class`.
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    # The machine `mode=plan` plans for (conf/hardware/*.yaml); a run ignores it.
+    hardware: Any = MISSING
+    # What to do: `train`, or `plan` (print the memory/time/fit report, exit 3 when it does not fit).
+    mode: str = "train"
+    # Parallel sizes (shortcuts): data parallel (`auto`: the world size / (tp x pp)), tensor parallel,
+    # pipeline parallel. A value above 1 needs a strategy that uses it (ddp/zero*/fsdp for dp, tp, pp, 3d).
+    dp: Any = "auto"
+    tp: int = 1
+    pp: int = 1
+    # Context parallelism (sequence split across ranks for attention): not built; must stay 1.
+    cp: int = 1
+    # Where the run starts: auto (the latest complete checkpoint in the run's checkpoint directory, a
+    # fresh start if there is none), none, or the path of a checkpoint or of a directory of checkpoints.
+    resume: str = "auto"
+    # Start a new run (step 0, fresh optimizer) from these weights: a checkpoint or a Hugging Face Llama
+    # directory (config.json + *.safetensors); null: initialize from the seed.
+    init_from: Optional[str] = None

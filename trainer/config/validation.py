@@ -1,0 +1,335 @@
+"""Validation of a composed config: what a type cannot express, checked before anything starts.
+
+The schemas (trainer/config/schema.py and each family's SCHEMAS) already reject unknown keys and wrong
+types at composition. `validate` checks the rest: batch arithmetic, the parallel shortcuts against the
+chosen strategy, model shape against sequence length, and each plugin's own rules. The strategy, the
+precision and the activation-checkpointing policy are instantiated once here and asked through the hooks
+their base classes declare (`Strategy.check_device`, `data_parallel_split`, `validate_pipeline`,
+`check_tensor_parallel`; `Precision.check_strategy`; `ActivationCheckpointing.check_model`,
+`check_strategy`; `Callback.check_config`). Every failure is a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config.derived import (
+    data_parallel_size,
+    gradient_accumulation_steps,
+    strategy_class,
+    total_steps,
+    world_size,
+)
+from trainer.config.errors import ConfigError
+from trainer.config.schema import ACCELERATORS, MODES, PLAN_FORMATS
+
+if TYPE_CHECKING:
+    from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+    from trainer.interfaces.precision import Precision
+    from trainer.interfaces.strategy import Strategy
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def _validate_trainer(t: DictConfig) -> None:
+    _require(t.max_steps is not None or t.max_tokens is not None, "trainer.max_steps",
+             "set trainer.max_steps or trainer.max_tokens (both are null)")
+    for key in ("max_steps", "max_tokens"):
+        value = t[key]
+        _require(value is None or value > 0, f"trainer.{key}", f"must be a positive integer or null, got {value}")
+    for key in ("devices", "num_nodes", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
+                "val_batches"):
+        _require(t[key] >= 1, f"trainer.{key}", f"must be >= 1, got {t[key]}")
+    _require(t.val_every >= 0, "trainer.val_every", f"must be >= 0 (0: validate only at the end), got {t.val_every}")
+    _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    _require(t.accelerator in ACCELERATORS, "trainer.accelerator",
+             f"'{t.accelerator}' is not one of {', '.join(ACCELERATORS)}")
+    _require(t.num_threads is None or t.num_threads >= 1, "trainer.num_threads",
+             f"must be >= 1 or null, got {t.num_threads}")
+    _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
+    _require(t.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {t.max_restarts}")
+
+
+def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
+    """dp/tp/pp above 1 need a strategy that uses them, and the sizes must multiply to the world."""
+    strategy = strategy_class(cfg)
+    name = cfg.strategy.get("name", None) or strategy.name
+    hints = {
+        "dp": ("uses_dp", "data parallelism: pick strategy=ddp, zero1, zero2, zero3, fsdp or 3d"),
+        "tp": ("uses_tp", "tensor parallelism: pick strategy=tp or strategy=3d"),
+        "pp": ("uses_pp", "pipeline parallelism: pick strategy=pp or strategy=3d"),
+    }
+    for key, (flag, hint) in hints.items():
+        value = cfg[key]
+        if key == "dp" and value == "auto":
+            continue
+        _require(isinstance(value, int) and value >= 1, key, f"must be a positive integer, got {value!r}")
+        _require(value == 1 or getattr(strategy, flag), key,
+                 f"{key}={value} needs {hint} (strategy={name} does not use it)")
+    world = world_size(cfg)
+    if not (strategy.uses_dp or strategy.uses_tp or strategy.uses_pp):
+        _require(world == 1, "trainer.devices",
+                 f"trainer.devices x trainer.num_nodes = {world} processes, but strategy={name} runs one "
+                 "process: pick a multi-process strategy (ddp, zero1, zero2, zero3, fsdp, tp, pp, 3d)")
+        return
+    model_parallel = int(cfg.tp) * int(cfg.pp)
+    if not strategy.uses_dp:
+        _require(model_parallel == world, "trainer.devices",
+                 f"strategy={name} has no data parallelism, so tp x pp = {cfg.tp} x {cfg.pp} = {model_parallel} "
+                 f"must equal trainer.devices x trainer.num_nodes = {world}; for dp x tp x pp pick strategy=3d")
+    elif cfg.dp == "auto":
+        _require(world % model_parallel == 0, "trainer.devices",
+                 f"trainer.devices x trainer.num_nodes = {world} is not divisible by tp x pp = "
+                 f"{cfg.tp} x {cfg.pp} = {model_parallel}")
+    else:
+        product = int(cfg.dp) * model_parallel
+        _require(product == world, "dp",
+                 f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {product} does not match trainer.devices x "
+                 f"trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = {world}")
+    # a plan launches nothing: the rendezvous address only matters to a run
+    _require(cfg.mode == "plan" or cfg.trainer.num_nodes == 1 or cfg.trainer.rdzv_endpoint is not None
+             or _inside_launcher(),
+             "trainer.rdzv_endpoint",
+             "a multi-node run started with `python -m trainer` needs trainer.rdzv_endpoint=HOST:PORT "
+             "(node 0's address); under torchrun or srun it is not needed")
+
+
+def _inside_launcher() -> bool:
+    from trainer.environment import distributed_environment
+
+    return distributed_environment() is not None
+
+
+def _device_type(accelerator: str) -> str:
+    import torch
+
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
+def _checked_device_type(cfg: DictConfig) -> str:
+    """The device the options are checked against: a plan's planned machine, a run's own machine."""
+    return cfg.hardware.device_type if cfg.mode == "plan" else _device_type(cfg.trainer.accelerator)
+
+
+def _plugin_error(key: str, error: Exception) -> ConfigError:
+    """A plugin's own message (not Hydra's wrapper around it), first line only."""
+    from hydra.errors import InstantiationException
+
+    cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+    return ConfigError(key, str(cause).splitlines()[0])
+
+
+def _instantiate_plugin(cfg: DictConfig, group: str) -> Any:
+    """Build the group's plugin once, for all the checks; options its constructor refuses are the group's
+    error."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg[group])
+    except (ValueError, InstantiationException) as error:
+        raise _plugin_error(group, error) from None
+
+
+def _validate_strategy(cfg: DictConfig, strategy: "Strategy", device_type: str) -> None:
+    """The strategy's own checks (options, how the data-parallel size factors), before any worker."""
+    from hydra.errors import InstantiationException
+
+    try:
+        strategy.check_device(device_type)
+        if strategy.uses_dp:
+            strategy.data_parallel_split(data_parallel_size(cfg))
+        # pipeline parallelism: stages vs layers and micro-batches (a no-op without pipeline stages)
+        strategy.validate_pipeline(num_layers=int(cfg.model.n_layers), pp=int(cfg.pp),
+                                   num_microbatches=gradient_accumulation_steps(cfg),
+                                   compile=bool(cfg.trainer.compile))
+    except (ValueError, InstantiationException) as error:
+        raise _plugin_error("strategy", error) from None
+
+
+def _validate_precision(precision: "Precision", strategy: "Strategy", device_type: str) -> None:
+    """Whether the strategy can honour the precision on this device (the precision's own rules)."""
+    from hydra.errors import InstantiationException
+
+    try:
+        precision.check_strategy(strategy, device_type)
+    except (ValueError, InstantiationException) as error:
+        raise _plugin_error("precision", error) from None
+
+
+def _validate_plan(cfg: DictConfig) -> None:
+    p, hw = cfg.plan, cfg.hardware
+    _require(p.format in PLAN_FORMATS, "plan.format", f"'{p.format}' is not one of {', '.join(PLAN_FORMATS)}")
+    _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}")
+    _require(p.rank is None or 0 <= p.rank < world_size(cfg), "plan.rank",
+             f"must be a rank of the world of {world_size(cfg)} (0 to {world_size(cfg) - 1}) or null, got {p.rank}")
+    _require(0 <= p.headroom < 1, "plan.headroom", f"must be in [0, 1), got {p.headroom}")
+    _require(0 < p.matmul_efficiency <= 1, "plan.matmul_efficiency", f"must be in (0, 1], got {p.matmul_efficiency}")
+    _require(hw.device_type in ("cuda", "cpu"), "hardware.device_type", f"must be cuda or cpu, got {hw.device_type}")
+    for key in ("memory_gb", "devices_per_node", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
+                "memory_bandwidth_gbps", "peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32"):
+        _require(hw[key] > 0, f"hardware.{key}", f"must be positive, got {hw[key]}")
+
+
+def _validate_batch(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    dp = data_parallel_size(cfg)
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0, "trainer.global_batch_size",
+             f"{t.global_batch_size} is not a multiple of trainer.micro_batch_size x data-parallel size = "
+             f"{t.micro_batch_size} x {dp} = {per_step}")
+
+
+def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
+    try:
+        model_cfg = OmegaConf.to_object(cfg.model)  # the model configs check their shapes on creation
+    except ValueError as error:
+        raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
+    # tensor parallelism: can the model split over tp? (a no-op for strategies without it)
+    if cfg.mode != "plan":  # a plan reports it as a warning (trainer/planner)
+        try:
+            strategy.check_tensor_parallel(model_cfg, int(cfg.tp), int(cfg.trainer.seq_len),
+                                           bool(cfg.strategy.get("sequence_parallel", True)))
+        except ValueError as error:
+            raise ConfigError("tp", str(error)) from None
+    max_seq_len = getattr(model_cfg, "max_seq_len", None)
+    if max_seq_len is not None:
+        _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",
+                 f"{cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} of model {cfg.model.name}")
+
+
+def _validate_activation_checkpointing(cfg: DictConfig, policy: "ActivationCheckpointing",
+                                       strategy: "Strategy") -> None:
+    """Whether the policy can act on this model (e.g. every_n's n against n_layers) and strategy."""
+    from hydra.errors import InstantiationException
+
+    try:
+        policy.check_model(int(cfg.model.n_layers))
+        policy.check_strategy(strategy)
+    except (ValueError, InstantiationException) as error:
+        raise _plugin_error("activation_checkpointing", error) from None
+
+
+def _validate_optimization(cfg: DictConfig) -> None:
+    from hydra.utils import instantiate
+
+    lr = cfg.optimizer.get("lr", None)
+    _require(lr is None or lr > 0, "optimizer.lr", f"must be positive, got {lr}")
+    wd = cfg.optimizer.get("weight_decay", 0.0)
+    _require(wd >= 0, "optimizer.weight_decay", f"must be >= 0, got {wd}")
+    try:
+        instantiate(cfg.lr_schedule)(total_steps=total_steps(cfg))
+    except ValueError as error:
+        raise ConfigError("lr_schedule", str(error)) from None
+
+
+def _validate_targets(cfg: DictConfig) -> None:
+    """Every `_target_` must import, so a typo fails now rather than after the workers started."""
+    from hydra.utils import get_object
+
+    nodes = [(group, cfg[group]) for group in ("model", "data", "strategy", "precision",
+                                               "activation_checkpointing", "optimizer", "lr_schedule")]
+    nodes += [(f"logger.{k}", v) for k, v in cfg.logger.items()]
+    nodes += [(f"callbacks.{k}", v) for k, v in cfg.callbacks.items()]
+    for key, node in nodes:
+        target = node.get("_target_", None) if isinstance(node, DictConfig) else None
+        _require(target is not None, key, "has no _target_ (a plugin must name its class)")
+        try:
+            get_object(target)
+        except Exception:  # noqa: BLE001 - any import failure means the same thing to the user
+            raise ConfigError(f"{key}._target_", f"cannot import '{target}'") from None
+
+
+def _validate_complete(cfg: DictConfig) -> None:
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    _require(not missing, missing[0] if missing else "",
+             f"required value is missing; set it on the command line ({missing[0] if missing else ''}=...)")
+
+
+def _validate_known_keys(node: DictConfig, path: str = "") -> None:
+    """`+key=value` bypasses the schema's struct check; refuse keys a typed node does not declare."""
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        allowed = [f.name for f in dataclasses.fields(schema)]
+        for key in node.keys():
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise ConfigError(f"{path}{key}", f"unknown key; {hint}allowed: "
+                                                  f"{', '.join(a for a in allowed if not a.startswith('_'))}")
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _validate_known_keys(child, f"{path}{key}.")
+
+
+def _validate_resume(cfg: DictConfig) -> None:
+    """resume/init_from must name something loadable, checked before any worker starts."""
+    from trainer.checkpoint.manifest import MANIFEST, complete_checkpoints
+
+    resume = str(cfg.resume)
+    if resume not in ("auto", "none"):
+        path = Path(resume).expanduser()
+        _require(path.exists(), "resume", f"{resume} does not exist (use auto, none or a checkpoint path)")
+        _require((path / MANIFEST).is_file() or bool(complete_checkpoints(path)), "resume",
+                 f"{resume} is neither a complete checkpoint ({MANIFEST}) nor a directory of checkpoints")
+    if cfg.init_from is not None:
+        path = Path(str(cfg.init_from)).expanduser()
+        hf_model = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+        _require((path / MANIFEST).is_file() or hf_model, "init_from",
+                 f"{cfg.init_from} is neither a checkpoint ({MANIFEST}) nor a Hugging Face model directory "
+                 "(config.json + *.safetensors)")
+
+
+def _validate_callbacks(cfg: DictConfig) -> None:
+    """Each callback class checks its options before launch (`Callback.check_config`, a no-op by default)."""
+    from hydra.utils import get_object
+
+    from trainer.callback import Callback
+
+    for name, node in cfg.callbacks.items():
+        callback_class = get_object(node._target_)
+        _require(isinstance(callback_class, type) and issubclass(callback_class, Callback),
+                 f"callbacks.{name}._target_",
+                 f"'{node._target_}' is not a callback class (a subclass of trainer.callback.Callback)")
+        try:
+            callback_class.check_config(node)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"callbacks.{name}", str(error).splitlines()[0]) from None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first inconsistency of a composed config."""
+    _validate_known_keys(cfg)
+    _validate_complete(cfg)
+    _require(cfg.mode in MODES, "mode", f"'{cfg.mode}' is not one of {', '.join(MODES)}")
+    _validate_plan(cfg)
+    _require(cfg.cp == 1, "cp", f"cp={cfg.cp}: context parallelism is not available in this version (cp must be 1); "
+                                "for long sequences use activation checkpointing or tensor parallelism with "
+                                "sequence parallelism")
+    _validate_trainer(cfg.trainer)
+    _validate_targets(cfg)
+    _validate_parallel_shortcuts(cfg)
+    # Each plugin is built once, when its checks come (the first failing check names its group).
+    device_type = _checked_device_type(cfg)
+    strategy = _instantiate_plugin(cfg, "strategy")
+    _validate_strategy(cfg, strategy, device_type)
+    precision = _instantiate_plugin(cfg, "precision")
+    _validate_precision(precision, strategy, device_type)
+    _validate_batch(cfg)
+    _validate_model(cfg, strategy)
+    policy = _instantiate_plugin(cfg, "activation_checkpointing")
+    _validate_activation_checkpointing(cfg, policy, strategy)
+    _validate_optimization(cfg)
+    _validate_callbacks(cfg)
+    _validate_resume(cfg)
