@@ -1,6 +1,7 @@
-"""How much of a pipeline step does each stage spend idle? GPipe and 1F1B against the textbook bubble.
+"""How much of a pipeline step does each stage spend idle? Every schedule against its textbook bubble.
 
-For P = 2 and 4 pipeline ranks (one stage each) and M micro-batches per step, the script runs
+For P = 2 and 4 pipeline ranks (one stage each for gpipe and 1f1b, V = 2 virtual stages each for
+interleaved_1f1b and zero_bubble) and M micro-batches per step, the script runs
 `strategy=pp` (plugins/strategies/pipeline.py, torch.distributed.pipelining underneath) on a Llama whose
 blocks are split evenly over the stages (`embedding_weight = head_weight = 0`), and measures per stage:
 
@@ -9,7 +10,8 @@ blocks are split evenly over the stages (`embedding_weight = head_weight = 0`), 
   step ends after the last backward);
 - busy time: the stage's own compute, summed over the step: perf_counter timers around every forward
   of the stage module (`PipelineStage.forward_maybe_with_nosync`), every backward
-  (`backward_maybe_with_nosync`, which on the last stage starts from the loss) and the loss itself;
+  (`backward_maybe_with_nosync`, which on the last stage starts from the loss, and through which
+  zero_bubble's separate weight-gradient passes run too) and the loss itself;
 - idle time = step time - busy time, and the idle fraction idle / step.
 
 Idle therefore includes everything that is not this stage's compute: waiting for activations or
@@ -26,12 +28,17 @@ the same work and has the same bubble; Narayanan et al. write it as (P - 1) / M,
 ideal (busy) time, which is the same quantity measured against a different denominator:
 idle / busy = (P - 1) / M  <=>  idle / step = (P - 1) / (M + P - 1). Both are printed. 1F1B's gain is
 memory (at most P micro-batches of activations in flight instead of M), not a smaller bubble.
+Interleaved 1F1B with V stages per rank (Narayanan et al. 2021, Sec. 2.2.2) divides the bubble by V:
+idle / busy = (P - 1) / (V M), idle / step = (P - 1) / (V M + P - 1). Zero bubble (Qi et al. 2024, ZB-H1)
+splits each backward into input- and weight-gradient halves and fills the bubble with the weight halves:
+with forward = input backward = weight backward time, a third of 1F1B's bubble remains, here on V
+interleaved stages: idle / busy = (P - 1) / (3 V M) (an estimate under that equal-thirds assumption).
 
 On a machine with fewer cores than P processes the stages also wait for a core: busy times then
 include time-slicing and the figures say more about the machine than about the schedule. Run it with
 at least P cores (one intra-op thread per process is used).
 
-    python benchmarks/pipeline_bubble.py      # P = 2, 4; M = 2, 4, 8, 16; gpipe and 1f1b (a few minutes)
+    python benchmarks/pipeline_bubble.py      # P = 2, 4; M = 2, 4, 8, 16; all four schedules (several minutes)
     python benchmarks/pipeline_bubble.py --pp 2 --microbatches 2 4 --steps 2 --warmup 1 \\
         --dim 64 --layers 4 --seq-len 32 --micro-batch-size 2     # smoke test, ~1 min on 2 cores
 
@@ -61,13 +68,23 @@ from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+# Stages per rank of each schedule here.
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 RESULT_PREFIX = "PIPELINE_BUBBLE_RESULT "
 
 
-def theoretical_bubble(pp: int, microbatches: int) -> float:
-    """Idle fraction of the step, (P - 1) / (M + P - 1), for GPipe and 1F1B alike."""
-    return (pp - 1) / (microbatches + pp - 1)
+def theoretical_idle_over_busy(schedule: str, pp: int, microbatches: int) -> float:
+    """The bubble over the busy time: (P - 1) / M for GPipe and 1F1B, / (V M) interleaved, / (3 V M) for
+    zero bubble (ZB-H1 with equal forward, input- and weight-backward times)."""
+    virtual = VIRTUAL[schedule]
+    return (pp - 1) / (microbatches * virtual * (3 if schedule == "zero_bubble" else 1))
+
+
+def theoretical_bubble(schedule: str, pp: int, microbatches: int) -> float:
+    """The same bubble as a fraction of the step: x / (1 + x) for x = idle / busy."""
+    ratio = theoretical_idle_over_busy(schedule, pp, microbatches)
+    return ratio / (1 + ratio)
 
 
 class BusyClock:
@@ -94,7 +111,8 @@ def instrument(strategy: PipelineParallel, clock: BusyClock) -> None:
     if not getattr(strategy, "_bubble_timed", False):
         strategy.compute_loss = clock.wrap(strategy.compute_loss)  # type: ignore[method-assign]
         strategy._bubble_timed = True  # type: ignore[attr-defined]
-    for stage in strategy._stages:  # noqa: SLF001 - the benchmark looks inside on purpose
+    assert strategy.pipeline is not None
+    for stage in strategy.pipeline.stages:
         if not getattr(stage, "_bubble_timed", False):
             for method in ("forward_maybe_with_nosync", "backward_maybe_with_nosync"):
                 setattr(stage, method, clock.wrap(getattr(stage, method)))
@@ -133,13 +151,16 @@ def worker(args: argparse.Namespace) -> None:
     results = []
     clock = BusyClock()
     for schedule in SCHEDULES:
-        strategy = PipelineParallel(schedule=schedule, embedding_weight=0.0, head_weight=0.0, init="full")
+        strategy = PipelineParallel(schedule=schedule, virtual_stages=VIRTUAL[schedule], embedding_weight=0.0,
+                                    head_weight=0.0, init="full")
         strategy.setup_environment("cpu", 1, pp=pp)
         torch.manual_seed(0)
         parts = strategy.setup_model(build_meta_model(config), NoCheckpointing(), compile=False)
         for microbatches in args.microbatches:
-            if schedule == "1f1b" and microbatches < pp:
-                continue  # torch's Schedule1F1B needs at least one micro-batch per stage
+            try:  # e.g. torch's 1F1B needs M >= P, the interleaved schedules M a multiple of P
+                strategy.validate_pipeline(num_layers=args.layers, pp=pp, num_microbatches=microbatches)
+            except ValueError:
+                continue
             generator = torch.Generator().manual_seed(microbatches)
             batches = [(torch.randint(0, 256, (args.micro_batch_size, args.seq_len), generator=generator),
                         torch.randint(0, 256, (args.micro_batch_size, args.seq_len), generator=generator))
@@ -153,14 +174,15 @@ def worker(args: argparse.Namespace) -> None:
                 "busy_s_per_stage": [s["busy_s"] for s in per_stage],
                 "idle_fraction_per_stage": [s["idle_fraction"] for s in per_stage],
                 "idle_fraction_mean": statistics.mean(s["idle_fraction"] for s in per_stage),
-                "theory_idle_fraction": theoretical_bubble(pp, microbatches),
-                "theory_idle_over_busy": (pp - 1) / microbatches,
+                "virtual_stages": VIRTUAL[schedule],
+                "theory_idle_fraction": theoretical_bubble(schedule, pp, microbatches),
+                "theory_idle_over_busy": theoretical_idle_over_busy(schedule, pp, microbatches),
             }
             results.append(row)
             if rank == 0:
                 stages = " ".join(f"{f:.3f}" for f in row["idle_fraction_per_stage"])
-                print(f"P={pp} {schedule:5s} M={microbatches:2d}: step {row['step_s'] * 1e3:8.1f} ms, idle per stage "
-                      f"[{stages}], mean {row['idle_fraction_mean']:.3f}, theory (P-1)/(M+P-1) = "
+                print(f"P={pp} {schedule:16s} M={microbatches:2d}: step {row['step_s'] * 1e3:8.1f} ms, idle per "
+                      f"stage [{stages}], mean {row['idle_fraction_mean']:.3f}, theory "
                       f"{row['theory_idle_fraction']:.3f}", flush=True)
         del parts, strategy
     if rank == 0:
@@ -192,8 +214,9 @@ def main() -> None:
         worker(args)
         return
     for pp in args.pp:
-        if args.layers % pp:
-            sys.exit(f"--layers {args.layers} must be divisible by every --pp value (even stages), got {pp}")
+        if args.layers % (2 * pp):
+            sys.exit(f"--layers {args.layers} must be divisible by 2 x every --pp value (even stages, 2 per rank "
+                     f"for the interleaved schedules), got {pp}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows: list[dict[str, Any]] = []
     for pp in args.pp:
@@ -210,7 +233,8 @@ def main() -> None:
     settings = {"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len,
                 "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup": args.warmup,
                 "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                "convention": "idle fraction = (step - busy) / step per stage; theory (P-1)/(M+P-1)"}
+                "convention": "idle fraction = (step - busy) / step per stage; theory x / (1 + x) with x = "
+                              "(P-1)/M (gpipe, 1f1b), (P-1)/(VM) (interleaved_1f1b), (P-1)/(3VM) (zero_bubble)"}
     print(json.dumps({"results": rows, "settings": settings}))
 
 

@@ -28,7 +28,7 @@ LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps
 # (name, strategy overrides, processes); micro-batch = 16 / (2 x dp) gives accumulation 2 everywhere
 STRATEGIES = {
     2: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "zero3_offload", "zero1_offload",
-        "zero2_offload", "ddp_fp16", "ddp_powersgd"],
+        "zero2_offload", "zero3_optimizer_offload", "ddp_fp16", "ddp_powersgd"],
     4: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid"],
 }
 STRATEGY_OVERRIDES = {
@@ -43,7 +43,8 @@ STRATEGY_OVERRIDES = {
     "zero3_offload": ["strategy=zero3", "strategy.offload_params=true", "strategy.offload_optimizer=true"],
     # ZeRO-Offload: the optimizer steps host copies of this rank's partition (on CPU, the same memory)
     "zero1_offload": ["strategy=zero1", "strategy.offload_optimizer=true"],
-    "zero2_offload": ["strategy=zero2", "strategy.offload_optimizer=true", "precision=bf16_true"],
+    "zero2_offload": ["strategy=zero2", "strategy.offload_optimizer=true"],
+    "zero3_optimizer_offload": ["strategy=zero3", "strategy.offload_optimizer=true"],
     # gradient compression changes the gradients, so these are checked for training, not parity
     "ddp_fp16": ["strategy=ddp", "strategy.comm_hook=fp16"],
     "ddp_powersgd": ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_start_iter=2"],
@@ -182,7 +183,7 @@ def test_data_parallel_strategies_train_on_one_device(tmp_path: Path, monkeypatc
         assert losses(tmp_path / strategy) == pytest.approx(losses(tmp_path / "single"), rel=1e-6), strategy
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_optimizer_offload_steps_host_copies_and_changes_no_loss(strategy: str, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """`offload_optimizer=true` alone: the parameters (and the forward/backward) stay where they are, the
@@ -200,7 +201,8 @@ def test_optimizer_offload_steps_host_copies_and_changes_no_loss(strategy: str, 
     def run(extra: list[str], name: str) -> tuple[list[float], list[tuple[str, int]], set[int]]:
         trainer = build_trainer(compose(overrides + extra), tmp_path / name)
         trainer.fit()
-        param_storages = {p.data.untyped_storage().data_ptr() for part in trainer.model_parts for p in part.parameters()}
+        param_storages = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                          for part in trainer.model_parts for p in part.parameters()}
         states = [(v.to_local() if hasattr(v, "to_local") else v) for state in trainer.optimizer.state.values()
                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         stepped = [(t.to_local() if hasattr(t, "to_local") else t) for g in trainer.optimizer.param_groups

@@ -1,6 +1,7 @@
-"""3D parallelism (pp=2 x dp=2 x tp=2 on 8 gloo processes): parity with the single-process run for the
-three data-parallel flavours and for GPT blocks under an interleaved schedule, and exact resume (40 steps
-straight = 20 + a resume for 20, bitwise), all in one 8-process launch."""
+"""3D parallelism on 8 gloo processes: parity with the single-process run for every data-parallel flavour
+(ddp, zero1, shard_grad_op, zero3 and fsdp at pp=2 x dp=2 x tp=2; hybrid_shard, which needs dp >= 4, at
+pp=2 x dp=4 as 2 replicas x 2 shards) and for GPT blocks under an interleaved schedule, and exact resume
+(40 steps straight = 20 + a resume for 20, bitwise), all in one 8-process launch."""
 
 from __future__ import annotations
 
@@ -28,10 +29,13 @@ INTERLEAVED = ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"
 LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.max_steps=10",
         "trainer.log_every=1", "trainer.val_every=5", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
         "data.max_bytes=1000000", "callbacks=none"]
-FLAVOURS = ["ddp", "zero1", "fsdp"]
-PARITY = {flavour: (MODEL, [f"strategy.data_parallel={flavour}"]) for flavour in FLAVOURS}
-PARITY["gpt_interleaved"] = (GPT, ["strategy.data_parallel=zero1", *INTERLEAVED])
+FLAVOURS = ["ddp", "zero1", "shard_grad_op", "zero3", "fsdp"]
 THREE_D_8 = ["strategy=3d", "tp=2", "pp=2", "trainer.devices=8"]
+PARITY = {flavour: (MODEL, [*THREE_D_8, f"strategy.data_parallel={flavour}"]) for flavour in FLAVOURS}
+# dp = 8 / (1 x 2) = 4 = 2 replicas x 2 shards; micro-batch 2 gives the 2 pipeline micro-batches
+PARITY["hybrid_shard"] = (MODEL, ["strategy=3d", "tp=1", "pp=2", "trainer.devices=8", "trainer.micro_batch_size=2",
+                                  "strategy.data_parallel=hybrid_shard", "strategy.dp_replicate=2"])
+PARITY["gpt_interleaved"] = (GPT, [*THREE_D_8, "strategy.data_parallel=zero1", *INTERLEAVED])
 
 
 def column(run_dir: Path, name: str) -> list[float]:
@@ -49,7 +53,7 @@ def reference(out: Path, name: str, model: list[str]) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("three_d")
     launch_harness(out, 8, [
-        *({"name": name, "overrides": model + LOOP + THREE_D_8 + strategy} for name, (model, strategy) in PARITY.items()),
+        *({"name": name, "overrides": model + LOOP + strategy} for name, (model, strategy) in PARITY.items()),
         *exact_resume_runs("3d", THREE_D, out / "np8"),
     ])
     reference(out, "single", MODEL)

@@ -37,8 +37,11 @@ class FSDPOptions:
     prefetch_blocks: int = 1
     # None: true for full_shard and hybrid_shard, false for shard_grad_op.
     reshard_after_forward: Optional[bool] = None
-    # Sharded parameters, their gradients and the optimizer step in CPU memory.
-    offload: bool = False
+    # Sharded parameters, their gradients and the optimizer step in host memory (FSDP2's CPUOffloadPolicy).
+    offload_params: bool = False
+    # Only the optimizer's states (and fp32 masters) in host memory, stepped there; parameters and the
+    # forward/backward stay on the device (ZeRO-Offload). Implied by offload_params.
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING_MODES:
@@ -75,10 +78,22 @@ class FSDPOptions:
             return "hybrid_shard"
         return "zero3" if self.reshard_after_forward else "shard_grad_op"
 
+    @property
+    def offload(self) -> bool:
+        """FSDP2's CPUOffloadPolicy: it moves the sharded parameters and takes the optimizer along."""
+        return self.offload_params
+
+    @property
+    def optimizer_host(self) -> torch.device | None:
+        """Where the optimizer steps when only it is offloaded (on a CPU run the host copies sit in the same
+        memory: nothing is saved, the path is the one a GPU run takes)."""
+        return torch.device("cpu") if self.offload_optimizer and not self.offload_params else None
+
     def planner_fields(self) -> dict[str, Any]:
         """The sharding's fields of the planner's `Layout`."""
         return {"dp_flavour": self.dp_flavour, "reshard_after_forward": self.reshard_after_forward,
-                "prefetch_blocks": self.prefetch_blocks, "offload": self.offload}
+                "prefetch_blocks": self.prefetch_blocks, "offload": self.offload,
+                "offload_optimizer": self.optimizer_host is not None}
 
     def offload_policy(self, device: torch.device, is_global_zero: bool) -> OffloadPolicy:
         """FSDP2's offload policy on `device` (on the CPU there is nothing to offload: said once)."""
@@ -105,7 +120,11 @@ class FSDP(DistributedStrategy):
         super().__init__(init=init, name=name)
         self.options = FSDPOptions(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
                                    reshard_after_forward=reshard_after_forward,
-                                   offload=offload_params or offload_optimizer)
+                                   offload_params=offload_params, offload_optimizer=offload_optimizer)
+
+    @property
+    def optimizer_host(self) -> torch.device | None:
+        return self.options.optimizer_host
 
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
         return self.options.data_parallel_split(dp)

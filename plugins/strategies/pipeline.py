@@ -31,7 +31,6 @@ from trainer.plugins.strategies.pipeline_schedule import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     PipelineOptions,
-    PrecisionStage,
 )
 from trainer.plugins.strategies.pipeline_split import split_model, stage_indices_of_rank, stage_layer_ranges
 
@@ -155,11 +154,6 @@ class PipelineParallel(DistributedStrategy):
             self.pipeline.release()
         gc.collect()
         super().teardown()
-
-    @property
-    def _stages(self) -> list[PrecisionStage]:
-        """The schedule's stages (benchmarks/pipeline_bubble.py instruments them)."""
-        return self.pipeline.stages if self.pipeline is not None else []
 
 
 @dataclass

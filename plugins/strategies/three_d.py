@@ -2,8 +2,11 @@
 
 `strategy=3d tp=2 pp=2 trainer.devices=8` derives dp = 8 / (2 x 2) = 2. Each rank holds its pipeline
 stage(s); every stage part goes through the fixed order tensor parallel -> activation checkpointing ->
-compile -> data-parallel wrapping, where the data-parallel flavour is any of the data-parallel
-strategies: ddp, zero1 (ddp + sharded optimizer states), zero2, zero3, fsdp or hybrid_shard.
+compile -> data-parallel wrapping, where the data-parallel flavour is ddp, zero1 (ddp + sharded
+optimizer states), shard_grad_op (FSDP2: gradients and optimizer states sharded, parameters gathered for
+each micro-batch), zero3, fsdp or hybrid_shard. Textbook ZeRO-2 (`strategy=zero2`: replicated parameters,
+gradients reduce-scattered once per step) is not offered under 3d: its global gradient norm over
+reduce-scattered rows of tensor-parallel and pipeline-split parameters is not built yet.
 The replicating flavours use torch's `replicate` (DDP semantics on FSDP2's machinery): the classic
 DistributedDataParallel breaks inside pipeline schedules (its reducer counts parameters twice when it
 rebuilds buckets), and `replicate` also takes tensor-parallel DTensor parameters as they are.
@@ -42,10 +45,10 @@ from trainer.plugins.strategies.tensor_parallel import (
     settle_tensor_parallel_grads,
 )
 
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hybrid_shard")
+DATA_PARALLEL = ("ddp", "zero1", "shard_grad_op", "zero3", "fsdp", "hybrid_shard")
 REPLICATING = ("ddp", "zero1")
 # The FSDP sharding mode of each sharded flavour (the replicating ones keep the default: its checks only).
-SHARDING = {"zero2": "shard_grad_op", "hybrid_shard": "hybrid_shard"}
+SHARDING = {"shard_grad_op": "shard_grad_op", "hybrid_shard": "hybrid_shard"}
 
 
 def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy) -> nn.Module:
@@ -84,15 +87,24 @@ class ThreeD(DistributedStrategy):
                                                 embedding_weight=embedding_weight, head_weight=head_weight)
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
+        if data_parallel == "zero2":
+            raise ValueError("data_parallel=zero2 (textbook ZeRO-2, replicated parameters) is not available "
+                             "under 3d; data_parallel=shard_grad_op is FSDP2's variant (gradients and optimizer "
+                             "states sharded, parameters gathered per micro-batch), or use zero1 or zero3")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)}, got {data_parallel!r}")
-        if data_parallel in REPLICATING and (offload_params or offload_optimizer):
-            raise ValueError(f"data_parallel={data_parallel} cannot offload (every data-parallel rank keeps "
-                             "its whole stage); offloading needs data_parallel=zero2, zero3, fsdp or hybrid_shard")
+        if data_parallel in REPLICATING and offload_params:
+            raise ValueError(f"data_parallel={data_parallel} cannot offload parameters (every data-parallel rank "
+                             "keeps its whole stage); that needs data_parallel=zero3, fsdp or hybrid_shard")
+        if data_parallel == "ddp" and offload_optimizer:
+            raise ValueError("data_parallel=ddp cannot offload the optimizer (every rank holds all of its states); "
+                             "data_parallel=zero1 and the sharded flavours offload their partition")
         self.data_parallel = data_parallel
+        self.offload_optimizer = offload_optimizer
         # The FSDP options and checks, as strategy=fsdp has them (used by the sharded flavours).
         self.fsdp_options = FSDPOptions(sharding=SHARDING.get(data_parallel, "full_shard"), dp_replicate=dp_replicate,
-                                        prefetch_blocks=prefetch_blocks, offload=offload_params or offload_optimizer)
+                                        prefetch_blocks=prefetch_blocks, offload_params=offload_params,
+                                        offload_optimizer=offload_optimizer)
         # This rank's stages and schedule, made by `split_pipeline` (None before, or with pp=1).
         self.pipeline: Pipeline | None = None
         self.sharded_states: ShardedOptimizerStates | None = None
@@ -113,12 +125,19 @@ class ThreeD(DistributedStrategy):
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
         return (dp, 1) if self.replicating else self.fsdp_options.data_parallel_split(dp)
 
+    @property
+    def optimizer_host(self) -> torch.device | None:
+        if self.replicating:  # zero1: its partition of the optimizer states (ddp refused it above)
+            return torch.device("cpu") if self.offload_optimizer else None
+        return self.fsdp_options.optimizer_host
+
     def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
         layout = {**super().planner_layout(dp, tp, pp),  # dp_replicate x dp_shard from data_parallel_split
                   "tp": tp, "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
                   **self.pipeline_options.planner_fields(pp)}
         if self.replicating:
-            return {**layout, "dp_flavour": self.data_parallel if dp > 1 else "none"}
+            return {**layout, "dp_flavour": self.data_parallel if dp > 1 else "none",
+                    "offload_optimizer": self.optimizer_host is not None}
         return {**layout, **self.fsdp_options.planner_fields()}
 
     def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
@@ -241,14 +260,15 @@ class ThreeDConfig:
 
     _target_: str = "trainer.plugins.strategies.three_d.ThreeD"
     name: str = "3d"
-    # Data-parallel flavour: ddp, zero1, zero2, zero3, fsdp or hybrid_shard.
+    # Data-parallel flavour: ddp, zero1, shard_grad_op, zero3, fsdp or hybrid_shard.
     data_parallel: str = "fsdp"
     # hybrid_shard: number of replicas (null: the smallest factor of dp).
     dp_replicate: Optional[int] = None
     # FSDP flavours: blocks gathered ahead of use.
     prefetch_blocks: int = 1
-    # FSDP flavours: sharded parameters and the optimizer step in CPU memory.
+    # Sharded flavours: sharded parameters and the optimizer step in host memory (FSDP2's CPUOffloadPolicy).
     offload_params: bool = False
+    # zero1 and the sharded flavours: only the optimizer's partition (and fp32 masters) in host memory.
     offload_optimizer: bool = False
     # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble), stages per rank, layer split.
     schedule: str = "1f1b"

@@ -72,6 +72,8 @@ def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfi
                     continue
                 if schedule == "interleaved_1f1b" and m % max(1, m // pp):
                     continue
+                if flavour == "zero2" and (tp > 1 or pp > 1):
+                    continue  # 3d offers FSDP2's shard_grad_op, not textbook ZeRO-2
                 offload = flavour == "zero3_offload"
                 if offload and hardware.device_type == "cpu":
                     continue
