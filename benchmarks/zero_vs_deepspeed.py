@@ -1,7 +1,8 @@
 """Our ZeRO strategies against DeepSpeed's ZeRO on CPU: speed, memory and the state each rank holds.
 
 For each stage k in 1, 2, 3: `strategy=zero{k}` of this trainer (zero1: DDP + optimizer states sharded
-over the ranks; zero2/zero3: FSDP2 with shard_grad_op / full_shard) against DeepSpeed ZeRO stage k,
+over the ranks; zero2: textbook ZeRO-2, gradients reduce-scattered once per step into each rank's rows;
+zero3: FSDP2 full_shard) against DeepSpeed ZeRO stage k,
 2 gloo processes on CPU, fp32, the same model (the default `tiny` config, or whatever the trailing
 Hydra overrides make of it), the same batches (each rank reads its slice of every global batch from
 `trainer.run.build_data(cfg, vocab, dp_rank, dp_size)`), the same initial weights (seed), the same

@@ -192,6 +192,9 @@ MEASURED = {
     "zero1": ["strategy=zero1"],
     "zero2": ["strategy=zero2"],
     "zero3": ["strategy=zero3"],
+    # fp32 master weights counted with the optimizer by the run, the analytic model and exact mode alike
+    "zero2_bf16_true": ["strategy=zero2", "precision=bf16_true"],
+    "zero1_bf16_true": ["strategy=zero1", "precision=bf16_true"],
     "tp": ["strategy=tp", "tp=2"],
     "pp": ["strategy=pp", "pp=2", "strategy.schedule=1f1b"],
 }
@@ -232,6 +235,9 @@ EXACT_LAYOUTS = {
                                     "strategy.virtual_stages=2"],
     "3d ddp tp4": ["strategy=3d", "tp=4", "strategy.data_parallel=ddp"],
     "zero3 bf16_true": ["strategy=zero3", "precision=bf16_true"],
+    "zero2": ["strategy=zero2"],
+    "fsdp shard_grad_op": ["strategy=fsdp", "strategy.sharding=shard_grad_op"],
+    "zero1 offload_optimizer": ["strategy=zero1", "strategy.offload_optimizer=true"],
 }
 
 

@@ -321,10 +321,12 @@ def test_a_nan_or_a_spike_on_one_rank_makes_every_rank_skip(runs: Path) -> None:
     assert (nan["step"], nan["kinds"], nan["ranks"], nan["action"]) == (10, ["nonfinite_grad"], [1], "skip")
     assert (spike["step"], spike["kinds"][0], spike["ranks"], spike["action"]) == (14, "loss_spike", [0], "rollback")
     assert spike["batch"] == 13 and spike["value"] == ranks[0][13]["loss"]
-    # each event is logged with its step, value and action (metrics.csv and the log)
+    # each event is logged with its value and action (metrics.csv and the log): a skip at its step, a
+    # rollback with the first step completed after it (step 13 again; the abandoned rows are redone)
     with open(run / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(int(r["step"]), float(r["spike_action"])) for r in rows if r.get("spike_action")] == [(10, 1.0), (14, 3.0)]
+    assert [(int(r["step"]), float(r["spike_action"])) for r in rows if r.get("spike_action")] == [(10, 1.0), (13, 3.0)]
+    assert [float(r["spike_value"]) for r in rows if r.get("spike_action") == "3.0"] == [spike["value"]]
     log = (runs / "train.log").read_text()
     assert "loss-spike stabilizer: step 10: nonfinite_grad (rank 1): nan; action skip" in log
     assert "loss-spike stabilizer: step 14: loss_spike (rank 0)" in log

@@ -216,7 +216,9 @@ def _copy_of(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | No
     from torch.distributed.tensor import DTensor
 
     local = _local(tensor.detach())
-    copy = local.to(device=device or local.device, dtype=dtype, copy=True)
+    # a meta tensor (the planner's exact mode counts shapes) has no data to move: its copy stays on meta
+    target = local.device if device is None or local.device.type == "meta" else device
+    copy = local.to(device=target, dtype=dtype, copy=True)
     if pin and copy.device.type == "cpu" and local.device.type == "cuda":
         copy = copy.pin_memory()
     if isinstance(tensor, DTensor):

@@ -24,7 +24,8 @@ it; a batch is named by its absolute position in the data order, the same on eve
 The ledger (events and skipped batch positions) is this callback's `state_dict`, saved with checkpoints;
 on resume the skipped positions are handed to the data loader again. Every event is logged through
 `trainer.log` (`spike_value`, `spike_action`, `spike_events`), the python logger and, on rank 0,
-`<run_dir>/stabilizer_events.jsonl`.
+`<run_dir>/stabilizer_events.jsonl`. A rollback's metrics go with the first step completed after it: the
+rows of the steps it abandons are redone (metrics.csv holds every step once, as after a resume).
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ class LossSpikeStabilizer(Callback):
         self.attempts = 0
         self.cooldown_left = 0
         self._pending: dict[str, Any] | None = None  # this step's event, acted on after the loop's step
+        self._after_rollback: dict[str, float] | None = None  # a rollback's metrics, for the next step
         self._cooled: list[tuple[float, float]] = []  # (scheduled lr, cooled lr) per optimizer group
         self._trainer: Trainer | None = None
 
@@ -219,6 +221,9 @@ class LossSpikeStabilizer(Callback):
 
     def on_train_batch_end(self, trainer: "Trainer", outputs: dict[str, Any]) -> None:
         self._restore_lr(trainer.optimizer)
+        if self._after_rollback is not None:
+            trainer.log(self._after_rollback)
+            self._after_rollback = None
         event, self._pending = self._pending, None
         if event is None:
             return
@@ -228,11 +233,15 @@ class LossSpikeStabilizer(Callback):
             if checkpoint is None:
                 event["action"] = "skip"
                 event["note"] = "no complete checkpoint to roll back to"
-        # Logged at the step that spiked, before a rollback rewinds trainer.step.
-        trainer.log({"spike_value": float(event["value"]), "spike_action": float(ACTION_CODES[event["action"]]),
-                     "spike_events": float(len(self.events))})
-        if checkpoint is not None:
+        metrics = {"spike_value": float(event["value"]), "spike_action": float(ACTION_CODES[event["action"]]),
+                   "spike_events": float(len(self.events))}
+        if checkpoint is None:
+            trainer.log(metrics)  # at the step that spiked
+        else:
+            # the steps after the checkpoint are replayed (their metrics rows redone): the rollback's
+            # metrics go with the first step completed after it
             self._rollback(trainer, event, checkpoint)
+            self._after_rollback = metrics
         self._report(trainer, event)
         if event["action"] == "abort":
             too_many = self.max_events is not None and len(self.events) > self.max_events

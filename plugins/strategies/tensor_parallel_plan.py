@@ -31,6 +31,7 @@ the global norm and `full_state_dict` gathers the unsharded weights. This file i
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -160,6 +161,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     plain full tensors [B, S, dim], identical on the tp ranks, whatever `sequence_parallel` is, so the
     pipeline sends the same shapes with and without tensor parallelism.
     """
+    if tp_mesh.device_type == "cpu":
+        # DTensor cautions that its random ops lack full support on a CPU mesh; the random draws of split
+        # activations here come from our own per-rank streams (`_give_split_dropout_own_streams`) and the
+        # sharded init draws its own seeds (`materialize_tensor_parallel`), so the caution does not apply.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     _check_splittable(model)
     residual = Shard(1) if sequence_parallel else Replicate()
     tied = (model.tok_embeddings is not None and model.output is not None

@@ -77,11 +77,13 @@ def flavour_sharding(flavour: str) -> StateSharding:
 
 def bytes_per_param(layout: Layout) -> BytesPerParam:
     """The split of a configured run: gradients live on the parameters (same dtype); the optimizer holds
-    its moments in the parameter dtype plus any fp32 master copy the precision keeps."""
+    its moments in the parameter dtype plus any fp32 master copy the precision keeps, or, offloaded
+    without one (ZeRO-Offload), the host copy of the parameters it steps."""
+    copy = layout.master_bytes or (layout.param_bytes if layout.offload_optimizer else 0)
     return BytesPerParam(
         weights=layout.param_bytes,
         grads=layout.param_bytes,
-        optimizer=layout.optimizer_states * layout.optimizer_state_bytes + layout.master_bytes,
+        optimizer=layout.optimizer_states * layout.optimizer_state_bytes + copy,
     )
 
 
