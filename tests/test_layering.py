@@ -130,6 +130,23 @@ def test_the_core_does_not_import_plugins() -> None:
     assert offenders == {}, "core modules importing plugins (define an interface in trainer/interfaces instead)"
 
 
+def test_the_core_does_not_reach_plugins_by_name() -> None:
+    """No string naming a plugin module in the core either (importlib / Hydra's get_object would turn it
+    into the import the test above forbids); docstrings may mention them."""
+    offenders = {}
+    for module, path in module_files().items():
+        if module.startswith("trainer.plugins") or module.startswith(COMPOSITION_ROOT):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        names = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and isinstance(node.value, str) and node.value.startswith("trainer.plugins")
+                 and id(node) not in docstrings]
+        if names:
+            offenders[module] = names
+    assert offenders == {}
+
+
 def test_nothing_imports_a_bare_plugins_package() -> None:
     offenders = []
     for folder in (ROOT / "trainer", ROOT / "plugins", ROOT / "tests", ROOT / "benchmarks"):

@@ -1,8 +1,9 @@
-"""Sharded data parallelism with FSDP2 (`fully_shard`): ZeRO-2, ZeRO-3 and FSDP with hybrid sharding.
+"""Sharded data parallelism with FSDP2 (`fully_shard`): ZeRO-3 and FSDP's other modes.
 
-The three are one implementation at different points:
-- `zero2` = `shard_grad_op`: gradients and optimizer states sharded; parameters are gathered once per
-  step and kept through the backward (no re-gather), sharded again after it.
+One implementation at different points:
+- `fsdp sharding=shard_grad_op`: gradients and optimizer states sharded; parameters are sharded at rest,
+  gathered once per micro-batch and kept through its backward (no re-gather). Textbook ZeRO-2, whose
+  parameters stay whole on every rank, is `strategy=zero2` (plugins/strategies/zero2.py).
 - `zero3` = `full_shard`: parameters too are freed after each block's forward and gathered again for
   its backward, block by block, with the next block's gather prefetched.
 - `fsdp` exposes all modes, including `hybrid_shard`: shard inside groups of ranks, replicate across
@@ -28,8 +29,8 @@ SHARDING_MODES = ("full_shard", "shard_grad_op", "hybrid_shard")
 
 @dataclass
 class FSDPOptions:
-    """FSDP2's options with their checks and what follows from them, shared by `strategy=fsdp` (zero2,
-    zero3) and the sharded data-parallel flavours of `strategy=3d`."""
+    """FSDP2's options with their checks and what follows from them, shared by `strategy=fsdp` (and zero3)
+    and the sharded data-parallel flavours of `strategy=3d`."""
 
     sharding: str = "full_shard"
     # hybrid_shard: number of replicas (None: `default_replicate`).
@@ -174,11 +175,13 @@ def _set_prefetch(blocks: list[nn.Module], prefetch_blocks: int) -> None:
 
 @dataclass
 class FSDPConfig:
-    """Schema of `strategy=fsdp` (and, with other defaults, of zero2 and zero3)."""
+    """Schema of `strategy=fsdp` (and, with other defaults, of zero3)."""
 
     _target_: str = "trainer.plugins.strategies.FSDP"
     name: str = "fsdp"
-    # full_shard (ZeRO-3), shard_grad_op (ZeRO-2) or hybrid_shard (shard in groups, replicate across).
+    # full_shard (ZeRO-3), shard_grad_op (gradients and optimizer states sharded, parameters sharded at rest
+    # and gathered once per micro-batch; textbook ZeRO-2 is strategy=zero2) or hybrid_shard (shard in
+    # groups, replicate across).
     sharding: str = "full_shard"
     # hybrid_shard: number of replicas (null: nodes on a cluster should set it; locally the smallest factor).
     dp_replicate: Optional[int] = None
@@ -189,7 +192,8 @@ class FSDPConfig:
     reshard_after_forward: Optional[bool] = None
     # Keep the sharded parameters (and with them gradients and the optimizer step) in CPU memory.
     offload_params: bool = False
-    # Run the optimizer on CPU; FSDP2 does this together with offload_params (same effect).
+    # Only the optimizer: this rank's optimizer states (and fp32 masters) in host memory, stepped there;
+    # parameters and the forward/backward stay on the device (ZeRO-Offload). offload_params implies it.
     offload_optimizer: bool = False
     # Weight initialization: full (whole model on every rank, then sharded: bitwise the single-process
     # weights), sharded (each rank initializes its shards: for models too big for host memory) or auto.

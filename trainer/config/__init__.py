@@ -21,8 +21,6 @@ of the core that must not import the plugins (the training loop) import from `sc
 
 from __future__ import annotations
 
-from typing import Any
-
 from trainer.config.compose import compose, describe_compose_error, group_options
 from trainer.config.derived import (
     data_parallel_size,
@@ -44,21 +42,3 @@ __all__ = [
     "compose", "data_parallel_size", "describe_compose_error", "gradient_accumulation_steps", "group_options",
     "register_configs", "strategy_class", "tokens_per_step", "total_steps", "validate", "world_size",
 ]
-
-# Schemas that moved to their plugin family; still importable from here (imported on first use, so that
-# importing trainer.config imports no plugin).
-_MOVED = {
-    "CSVLoggerConfig": "trainer.plugins.loggers",
-    "WandbLoggerConfig": "trainer.plugins.loggers",
-    "TensorBoardLoggerConfig": "trainer.plugins.loggers",
-    "ProgressBarConfig": "trainer.plugins.callbacks",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
