@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 
 from trainer.interfaces.strategy import MicroBatch
 from trainer.plugins.strategies.ddp import ShardedGradients
@@ -83,7 +84,7 @@ class ZeRO2(DistributedStrategy):
             norm = torch.nn.utils.clip_grad_norm_(views, max_norm, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([view.grad for view in views], foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         assert self.sharded is not None, "build_optimizer() first"
