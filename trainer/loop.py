@@ -139,7 +139,7 @@ class Trainer:
             self._call("on_fit_start")
             while self.step < self.total_steps and not self.should_stop:
                 data_start = time.perf_counter()
-                microbatches = next(self.train_loader)
+                microbatches = self.strategy.local_batches(next(self.train_loader))
                 self.step_timings["data_s"] = time.perf_counter() - data_start
                 self.training_step(microbatches)
                 if self.config.val_every and self.step % self.config.val_every == 0:
@@ -201,7 +201,7 @@ class Trainer:
         self._call("on_train_batch_end", outputs)
 
     def validate(self) -> float:
-        val_loss = self.strategy.evaluate(self.model_parts, self.val_set)
+        val_loss = self.strategy.evaluate(self.model_parts, self.strategy.local_batches(self.val_set))
         self.val_history.append((self.step, val_loss))
         self.log({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
         self._call("on_validation_end")

@@ -1,40 +1,50 @@
 """The process topology: the only code that knows how the world splits into parallel dimensions.
 
-The world is a grid pp x dp_replicate x dp_shard x tp (outermost to innermost, so that tensor-parallel
-peers, which talk the most, are neighbouring ranks on one node). Data parallelism is dp_replicate x
-dp_shard: DDP and ZeRO-1 replicate, ZeRO-2/3 and FSDP shard, hybrid sharding does both.
+The world is a grid pp x dp_replicate x dp_shard x cp x tp (outermost to innermost, so that
+tensor-parallel peers, which talk the most, are neighbouring ranks on one node, with the context-parallel
+ring next). Data parallelism is dp_replicate x dp_shard: DDP and ZeRO-1 replicate, ZeRO-2/3 and FSDP shard,
+hybrid sharding does both. Context-parallel ranks read the same samples (each its part of every sequence)
+but hold different tokens, so for the weights they are data-parallel ranks too: gradients are averaged
+over dp x cp (`dp_cp_mesh`) and sharded strategies shard over dp_shard x cp (`fsdp_mesh`), as in
+torchtitan, so cp ranks do not each hold a full copy.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened dimensions: name -> the mesh dimensions it joins (those of size > 1 among them).
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
 
 
 @dataclass
 class ParallelDims:
-    """Sizes of the four parallel dimensions; their product must be the world size."""
+    """Sizes of the five parallel dimensions; their product must be the world size."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flattened: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for name in MESH_ORDER:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
             raise ValueError(
-                f"dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
-                f"{self.pp} = {product} does not equal the world size {self.world_size}"
+                f"dp_replicate x dp_shard x cp x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
+                f"{self.tp} x {self.pp} = {product} does not equal the world size {self.world_size}"
             )
 
     @property
@@ -58,23 +68,34 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp_enabled(self) -> bool:
+        """Whether gradients are averaged over several ranks (data or context parallel)."""
+        return self.dp * self.cp > 1
+
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_ORDER}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with one named dimension per parallelism in use.
 
-        Data-parallel dimensions are also flattened into `dp` (data loading, loss averaging); when
-        both are in use `dp_replicate` and `dp_shard` stay addressable for hybrid sharding.
+        Dimensions used together are also flattened (`_flatten` is private but the documented way;
+        torchtitan does the same): `dp` (dp_replicate x dp_shard: data loading), `dp_cp` (dp x cp: gradient
+        and loss averaging) and `dp_shard_cp` (the sharding group of FSDP/ZeRO); the original dimensions
+        stay addressable (hybrid sharding, the cp ring).
         """
         used = [(name, size) for name, size in self.sizes().items() if size > 1]
         if not used:  # one process, or every dimension of size 1
             used = [("dp_replicate", 1)] if self.world_size == 1 else []
         names = tuple(name for name, _ in used)
         mesh = init_device_mesh(device_type, tuple(size for _, size in used), mesh_dim_names=names)
-        dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
-        if len(dp_names) == 2 or (dp_names and len(names) > 1):
-            mesh[dp_names]._flatten("dp")  # private but the documented way (torchtitan does the same)
+        # kept here, not sliced from the root later (torch deprecates slicing flattened dimensions)
+        self._flattened = {flat: mesh[present]._flatten(flat) for flat, members in FLATTENED.items()
+                           if len(present := tuple(name for name in members if name in names)) > 1}
         self._mesh = mesh
         return mesh
 
@@ -84,38 +105,51 @@ class ParallelDims:
             raise RuntimeError("build_mesh() has not been called")
         return self._mesh
 
+    def _joined(self, flat: str) -> DeviceMesh | None:
+        """The mesh of the dimensions `FLATTENED[flat]` joins: the flattened one, the single one in use,
+        or None when none is in use."""
+        used = [name for name in FLATTENED[flat] if getattr(self, name) > 1]
+        if not used:
+            return None
+        return self.mesh[used[0]] if len(used) == 1 else self._flattened[flat]
+
     def dp_mesh(self) -> DeviceMesh | None:
-        """The (flattened) data-parallel sub-mesh, or None without data parallelism.
+        """The (flattened) data-parallel sub-mesh: ranks that read different samples. None without data
+        parallelism.
 
         A world of one process has its size-1 dimension as the data-parallel mesh: a data-parallel
         strategy run on one device (a config meant for N) then wraps the model over a group of one,
         the code path of N ranks, instead of finding no group.
         """
-        names = self.mesh.mesh_dim_names or ()
-        if "dp" in _flattened_names(self.mesh):
-            return self.mesh["dp"]
-        for name in ("dp_replicate", "dp_shard"):
-            if name in names and (getattr(self, name) > 1 or self.world_size == 1):
-                return self.mesh[name]
-        return None
+        if self.world_size == 1:
+            return self.mesh[self.mesh.mesh_dim_names[0]]  # type: ignore[index]
+        return self._joined("dp")
+
+    def dp_cp_mesh(self) -> DeviceMesh | None:
+        """The ranks over which gradients and losses are averaged: data parallel x context parallel (each
+        cp rank's loss is the mean over its own tokens, all of equal count). None when both are 1."""
+        if self.world_size == 1:
+            return self.dp_mesh()
+        return self._joined("dp_cp")
+
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel ring (None with cp=1)."""
+        return self.mesh["cp"] if self.cp_enabled else None
 
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """Mesh for fully_shard: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) for hybrid sharding."""
+        """Mesh for fully_shard: 1-D (dp_shard x cp) or 2-D (dp_replicate, dp_shard x cp) for hybrid
+        sharding; None when there is nothing to shard over."""
         if self.world_size == 1:  # sharded over one rank, as dp_mesh explains
             return self.dp_mesh()
-        if not self.fsdp_enabled:
+        shard = self._joined("dp_shard_cp")
+        if shard is None:
             return None
         if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
-
-
-def _flattened_names(mesh: DeviceMesh) -> set[str]:
-    try:
-        mesh["dp"]
-    except (KeyError, RuntimeError, ValueError):
-        return set()
-    return {"dp"}
+            shard_name = "dp_shard_cp" if self.fsdp_enabled and self.cp_enabled else ("dp_shard" if self.fsdp_enabled else "cp")
+            with warnings.catch_warnings():  # no other way to pair a flattened dimension with another yet
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                return self.mesh["dp_replicate", shard_name]
+        return shard
 
 
 def shard_rows(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -100,7 +100,7 @@ class DDP(DistributedStrategy):
         return True  # every rank holds the full model anyway; DDP also broadcasts rank 0's weights
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        return wrap_ddp(model, self.dims.dp_mesh().get_group(), self.device,  # type: ignore[union-attr]
+        return wrap_ddp(model, self.dims.dp_cp_mesh().get_group(), self.device,  # type: ignore[union-attr]
                         bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
                         comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
                         powersgd_start_iter=self.powersgd_start_iter)
@@ -298,7 +298,7 @@ class ZeRO1(DDP):
                 "offload_optimizer": self.offload_optimizer}
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
-        self.sharded_states = ShardedOptimizerStates(self.dims.dp_mesh(), self.device)  # type: ignore[arg-type]
+        self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device)  # type: ignore[arg-type]
         return self.sharded_states.build_optimizer(optimizer_cfg, model_parts)
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

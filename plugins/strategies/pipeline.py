@@ -128,7 +128,9 @@ class PipelineParallel(DistributedStrategy):
         """
         if self.pipeline is None:
             return super().forward_backward(model_parts, microbatches, on_before_backward)
-        return self.pipeline.forward_backward(model_parts, microbatches)
+        loss = self.pipeline.forward_backward(model_parts, microbatches)
+        self.reduce_gradients(model_parts)  # over the cp ranks, if any
+        return loss
 
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:

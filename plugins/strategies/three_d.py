@@ -177,12 +177,12 @@ class ThreeD(DistributedStrategy):
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         """5. data-parallel wrapping of each (TP-sharded, checkpointed, compiled) stage part."""
-        if not self.dims.dp_enabled:
+        if not self.dims.dp_cp_enabled:
             return model
         if self.replicating:
             # DDP semantics on FSDP2's machinery (`replicate`): unlike DistributedDataParallel it works
             # inside pipeline schedules and with tensor-parallel DTensor parameters.
-            return wrap_replicate(model, self.dims.dp_mesh(), self.precision.fsdp_mixed_precision())
+            return wrap_replicate(model, self.dims.dp_cp_mesh(), self.precision.fsdp_mixed_precision())
         return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
                          offload_policy=self.fsdp_options.offload_policy(self.device, self.is_global_zero),
                          reshard_after_forward=self.fsdp_options.reshard_after_forward,  # type: ignore[arg-type]
@@ -206,8 +206,8 @@ class ThreeD(DistributedStrategy):
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         modules = self.pipeline.optimizer_modules(model_parts) if self.pipeline is not None else list(model_parts)
-        if self.data_parallel == "zero1" and self.dims.dp_enabled:
-            self.sharded_states = ShardedOptimizerStates(self.dims.dp_mesh(), self.device)  # type: ignore[arg-type]
+        if self.data_parallel == "zero1" and self.dims.dp_cp_enabled:
+            self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device)  # type: ignore[arg-type]
             return self.sharded_states.build_optimizer(optimizer_cfg, modules)
         return super().make_optimizer(optimizer_cfg, modules)
 

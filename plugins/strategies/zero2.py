@@ -13,14 +13,13 @@ FSDP2's variant that keeps parameters sharded between steps and gathers them for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
-from trainer.interfaces.strategy import MicroBatch
 from trainer.plugins.strategies.ddp import ShardedGradients
 from trainer.plugins.strategies.distributed import DistributedStrategy
 
@@ -56,20 +55,15 @@ class ZeRO2(DistributedStrategy):
         return True  # every rank holds the whole model; the same seed gives every rank the same weights
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
-        self.sharded = ShardedGradients(self.dims.dp_mesh(), self.device,  # type: ignore[arg-type]
+        self.sharded = ShardedGradients(self.dims.dp_cp_mesh(), self.device,  # type: ignore[arg-type]
                                         bucket_cap_mb=self.bucket_cap_mb, reduce_dtype=self.precision.reduce_dtype)
         return self.sharded.build_optimizer(optimizer_cfg, model_parts)
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.sharded.optimizer_tensor_pairs() if self.sharded is not None else []
 
-    def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
-                         on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        loss = super().forward_backward(model_parts, microbatches, on_before_backward)
-        self.reduce_gradients(model_parts)  # once per optimizer step, after the last micro-batch
-        return loss
-
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
+        """Once per optimizer step, after the last micro-batch (`DistributedStrategy.forward_backward`)."""
         assert self.sharded is not None, "build_optimizer() first"
         self.sharded.reduce_scatter_gradients()
 

@@ -34,12 +34,17 @@ def world_size(cfg: DictConfig) -> int:
     return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
 
 
+def model_parallel_size(cfg: DictConfig) -> int:
+    """Ranks that share one sample: tensor x pipeline x context parallel."""
+    return int(cfg.tp) * int(cfg.pp) * int(cfg.cp)
+
+
 def data_parallel_size(cfg: DictConfig) -> int:
     """Ranks that read distinct data: the world divided by the model-parallel sizes."""
     if not strategy_class(cfg).uses_dp:
         return 1
     if cfg.dp == "auto":
-        return max(1, world_size(cfg) // (int(cfg.tp) * int(cfg.pp)))
+        return max(1, world_size(cfg) // model_parallel_size(cfg))
     return int(cfg.dp)
 
 

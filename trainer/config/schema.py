@@ -127,13 +127,19 @@ class Config:
     hardware: Any = MISSING
     # What to do: `train`, or `plan` (print the memory/time/fit report, exit 3 when it does not fit).
     mode: str = "train"
-    # Parallel sizes (shortcuts): data parallel (`auto`: the world size / (tp x pp)), tensor parallel,
-    # pipeline parallel. A value above 1 needs a strategy that uses it (ddp/zero*/fsdp for dp, tp, pp, 3d).
+    # Parallel sizes (shortcuts): data parallel (`auto`: the world size / (tp x pp x cp)), tensor parallel,
+    # pipeline parallel, context parallel. A value above 1 needs a strategy that uses it (ddp/zero*/fsdp
+    # for dp, tp, pp, 3d; cp works with every multi-process strategy). dp x tp x pp x cp = world size.
     dp: Any = "auto"
     tp: int = 1
     pp: int = 1
-    # Context parallelism (sequence split across ranks for attention): not built; must stay 1.
+    # Context parallelism: each sequence split over cp ranks (they read the same samples, each its part
+    # of every sequence), attention computed across them (trainer/models/context_parallel.py).
     cp: int = 1
+    # How attention crosses the cp ranks: `ring` (K/V blocks passed round the ring, causal load balancing:
+    # trainer.seq_len must divide by 2 x cp) or `all_to_all` (DeepSpeed-Ulysses: sequence shards <-> head
+    # groups; n_heads / tp must divide by cp, trainer.seq_len by cp).
+    cp_method: str = "ring"
     # Where the run starts: auto (the latest complete checkpoint in the run's checkpoint directory, a
     # fresh start if there is none), none, or the path of a checkpoint or of a directory of checkpoints.
     resume: str = "auto"

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.config.derived import (
     data_parallel_size,
     gradient_accumulation_steps,
+    model_parallel_size,
     strategy_class,
     total_steps,
     world_size,
@@ -59,13 +60,15 @@ def _validate_trainer(t: DictConfig) -> None:
 
 
 def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
-    """dp/tp/pp above 1 need a strategy that uses them, and the sizes must multiply to the world."""
+    """dp/tp/pp/cp above 1 need a strategy that uses them, and the sizes must multiply to the world."""
     strategy = strategy_class(cfg)
     name = cfg.strategy.get("name", None) or strategy.name
     hints = {
         "dp": ("uses_dp", "data parallelism: pick strategy=ddp, zero1, zero2, zero3, fsdp or 3d"),
         "tp": ("uses_tp", "tensor parallelism: pick strategy=tp or strategy=3d"),
         "pp": ("uses_pp", "pipeline parallelism: pick strategy=pp or strategy=3d"),
+        "cp": ("uses_cp", "context parallelism over several processes: pick strategy=ddp, zero1, zero2, zero3, "
+                          "fsdp, tp, pp or 3d"),
     }
     for key, (flag, hint) in hints.items():
         value = cfg[key]
@@ -80,20 +83,20 @@ def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
                  f"trainer.devices x trainer.num_nodes = {world} processes, but strategy={name} runs one "
                  "process: pick a multi-process strategy (ddp, zero1, zero2, zero3, fsdp, tp, pp, 3d)")
         return
-    model_parallel = int(cfg.tp) * int(cfg.pp)
+    model_parallel = model_parallel_size(cfg)
+    sizes = f"tp x pp x cp = {cfg.tp} x {cfg.pp} x {cfg.cp} = {model_parallel}"
     if not strategy.uses_dp:
         _require(model_parallel == world, "trainer.devices",
-                 f"strategy={name} has no data parallelism, so tp x pp = {cfg.tp} x {cfg.pp} = {model_parallel} "
-                 f"must equal trainer.devices x trainer.num_nodes = {world}; for dp x tp x pp pick strategy=3d")
+                 f"strategy={name} has no data parallelism, so {sizes} must equal trainer.devices x "
+                 f"trainer.num_nodes = {world}; for dp x tp x pp pick strategy=3d")
     elif cfg.dp == "auto":
         _require(world % model_parallel == 0, "trainer.devices",
-                 f"trainer.devices x trainer.num_nodes = {world} is not divisible by tp x pp = "
-                 f"{cfg.tp} x {cfg.pp} = {model_parallel}")
+                 f"trainer.devices x trainer.num_nodes = {world} is not divisible by {sizes}")
     else:
         product = int(cfg.dp) * model_parallel
         _require(product == world, "dp",
-                 f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {product} does not match trainer.devices x "
-                 f"trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = {world}")
+                 f"dp x tp x pp x cp = {cfg.dp} x {cfg.tp} x {cfg.pp} x {cfg.cp} = {product} does not match "
+                 f"trainer.devices x trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = {world}")
     # a plan launches nothing: the rendezvous address only matters to a run
     _require(cfg.mode == "plan" or cfg.trainer.num_nodes == 1 or cfg.trainer.rdzv_endpoint is not None
              or _inside_launcher(),
@@ -196,9 +199,10 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
     except ValueError as error:
         raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
     # tensor parallelism: can the model split over tp? (a no-op for strategies without it)
+    _validate_context_parallel(cfg, model_cfg)
     if cfg.mode != "plan":  # a plan reports it as a warning (trainer/planner)
-        try:
-            strategy.check_tensor_parallel(model_cfg, int(cfg.tp), int(cfg.trainer.seq_len),
+        try:  # each cp rank's tensor-parallel group splits that rank's part of the sequence
+            strategy.check_tensor_parallel(model_cfg, int(cfg.tp), int(cfg.trainer.seq_len) // int(cfg.cp),
                                            bool(cfg.strategy.get("sequence_parallel", True)))
         except ValueError as error:
             raise ConfigError("tp", str(error)) from None
@@ -206,6 +210,26 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
     if max_seq_len is not None:
         _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",
                  f"{cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} of model {cfg.model.name}")
+
+
+def _validate_context_parallel(cfg: DictConfig, model_cfg: Any) -> None:
+    """The method exists, the layout can cut the sequence, and all_to_all can split the heads."""
+    from trainer.models.context_parallel import METHODS, load_balanced, sequence_divisor
+
+    cp, method, seq_len = int(cfg.cp), str(cfg.cp_method), int(cfg.trainer.seq_len)
+    _require(method in METHODS, "cp_method", f"'{method}' is not one of {', '.join(METHODS)}")
+    if cp == 1:
+        return
+    divisor = sequence_divisor(cp, method)
+    layout = (f"2 x cp = {divisor} chunks (ring attention's causal load balancing: rank r holds chunks r and "
+              f"2cp-1-r)" if load_balanced(method) else f"cp = {divisor} contiguous shards")
+    _require(seq_len % divisor == 0, "trainer.seq_len",
+             f"{seq_len} cannot be cut into {layout}: pick a multiple of {divisor}")
+    if method == "all_to_all":
+        heads, tp = int(model_cfg.n_heads), int(cfg.tp)
+        _require(heads % (tp * cp) == 0, "cp",
+                 f"cp_method=all_to_all gives each cp rank n_heads / (tp x cp) query heads, but model.n_heads="
+                 f"{heads} is not divisible by tp x cp = {tp} x {cp}: use cp_method=ring or another cp")
 
 
 def _validate_activation_checkpointing(cfg: DictConfig, policy: "ActivationCheckpointing",
@@ -314,9 +338,6 @@ def validate(cfg: DictConfig) -> None:
     _validate_complete(cfg)
     _require(cfg.mode in MODES, "mode", f"'{cfg.mode}' is not one of {', '.join(MODES)}")
     _validate_plan(cfg)
-    _require(cfg.cp == 1, "cp", f"cp={cfg.cp}: context parallelism is not available in this version (cp must be 1); "
-                                "for long sequences use activation checkpointing or tensor parallelism with "
-                                "sequence parallelism")
     _validate_trainer(cfg.trainer)
     _validate_targets(cfg)
     _validate_parallel_shortcuts(cfg)

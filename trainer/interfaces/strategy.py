@@ -53,10 +53,11 @@ class Strategy:
     """Single-process defaults; distributed strategies override the topology-dependent hooks."""
 
     name: str = "single"
-    # Which of the top-level shortcuts (dp, tp, pp) this strategy can use.
+    # Which of the top-level shortcuts (dp, tp, pp, cp) this strategy can use.
     uses_dp: bool = False
     uses_tp: bool = False
     uses_pp: bool = False
+    uses_cp: bool = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -112,10 +113,10 @@ class Strategy:
 
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
-                          pp: int = 1) -> None:
+                          pp: int = 1, cp: int = 1, cp_method: str = "ring") -> None:
         """Pick the device and the intra-op thread count; distributed subclasses also join the process
         group and build the mesh from the parallel sizes (ignored here: everything is 1)."""
-        del dp, tp, pp
+        del dp, tp, pp, cp, cp_method
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)
@@ -188,6 +189,11 @@ class Strategy:
         return merged
 
     # ---- step ---------------------------------------------------------------------------------------
+    def local_batches(self, microbatches: Sequence[MicroBatch]) -> Sequence[MicroBatch]:
+        """This rank's part of each (inputs, targets) micro-batch the loader gives its data-parallel rank:
+        all of it, except under context parallelism (its tokens of every sequence)."""
+        return microbatches
+
     def forward_backward(
         self,
         model_parts: Sequence[nn.Module],

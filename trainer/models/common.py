@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import nn
+
+from trainer.models.context_parallel import ContextParallel
 
 
 def require_divisible(numerator: int, denominator: int, what: str) -> None:
@@ -96,6 +98,19 @@ class CausalLM(nn.Module):
 
     first_stage_modules: tuple[str, ...] = ("tok_embeddings",)
     last_stage_modules: tuple[str, ...] = ("norm", "output")
+    # The context-parallel group when each sequence is split over ranks (`enable_context_parallel`):
+    # the model then holds only its tokens of each sequence, at `positions`.
+    context_parallel: Optional[ContextParallel] = None
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of the `local_len` tokens this rank holds of each sequence."""
+        if self.context_parallel is None:
+            return torch.arange(local_len, device=device)
+        return self.context_parallel.positions(local_len, device)
+
+    def sequence_length(self, local_len: int) -> int:
+        """Length of the whole sequence whose `local_len` tokens this rank holds."""
+        return local_len * (1 if self.context_parallel is None else self.context_parallel.size)
 
     def _embedding_tables(self) -> list[nn.Module]:
         """Lookup-table modules that ``num_params(exclude_embeddings=True)`` leaves out."""

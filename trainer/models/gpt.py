@@ -18,6 +18,7 @@ from trainer.models.common import (
     require_positive,
     rng_stream,
 )
+from trainer.models.context_parallel import ContextParallel
 
 ATTN_IMPLS: tuple[str, ...] = ("sdpa", "materialized")
 
@@ -117,12 +118,22 @@ class CoreAttention(nn.Module):
         self.dropout = dropout
         self.rng_stream = 0
 
+    # Set under context parallelism: q, k, v then hold this rank's tokens only (see context_parallel.py).
+    context_parallel: Optional[ContextParallel] = None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout_p = self.dropout if self.training else 0.0
         with rng_stream(self.rng_stream if dropout_p else 0, q.device):
-            if self.attn_impl == "materialized":
-                return materialized_causal_attention(q, k, v, dropout_p)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            if self.context_parallel is not None:
+                return self.context_parallel.attention(q, k, v, self.local_attention, dropout_p=dropout_p)
+            return self.local_attention(q, k, v)
+
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over whole sequences (dropout drawn from the caller's random stream)."""
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attn_impl == "materialized":
+            return materialized_causal_attention(q, k, v, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -230,15 +241,16 @@ class GPT(CausalLM):
                     "(positions are added once, on the first stage)"
                 )
             return tokens
-        seq_len = tokens.shape[1]
-        if seq_len > self.config.max_seq_len:
+        local_len = tokens.shape[1]
+        if self.sequence_length(local_len) > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}"
+                f"sequence length {self.sequence_length(local_len)} exceeds max_seq_len {self.config.max_seq_len}"
             )
         h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            # [1, S]: dim 1 is the sequence, as in h (tensor parallelism shards both there)
-            positions = torch.arange(seq_len, device=tokens.device).unsqueeze(0)
+            # [1, S]: dim 1 is the sequence, as in h (tensor parallelism shards both there); under context
+            # parallelism this rank's tokens at their global positions
+            positions = self.positions(local_len, tokens.device).unsqueeze(0)
             h = h + self.pos_embeddings(positions)
         return self.emb_dropout(h)
 

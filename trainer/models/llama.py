@@ -22,6 +22,7 @@ from trainer.models.common import (
     require_divisible,
     require_positive,
 )
+from trainer.models.context_parallel import ContextParallel
 
 
 @dataclass
@@ -138,6 +139,9 @@ class CoreAttention(nn.Module):
     recomputation, ``activation_checkpointing=attention``).
     """
 
+    # Set under context parallelism: q, k, v then hold this rank's tokens only (see context_parallel.py).
+    context_parallel: Optional[ContextParallel] = None
+
     def __init__(self, grouped: bool) -> None:
         super().__init__()
         # enable_gqa only when heads are actually grouped: some fused kernels reject the
@@ -145,7 +149,14 @@ class CoreAttention(nn.Module):
         self.grouped = grouped
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+        if self.context_parallel is not None:
+            return self.context_parallel.attention(q, k, v, self.local_attention)
+        return self.local_attention(q, k, v)
+
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over whole sequences."""
+        grouped = q.shape[1] != k.shape[1]  # all_to_all context parallelism may repeat K/V heads
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped and grouped)
 
 
 class Attention(nn.Module):
@@ -262,12 +273,15 @@ class Llama(CausalLM):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` on a later pipeline stage)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq_len = h.shape[1]
-        if seq_len > self.config.max_seq_len:
+        local_len = h.shape[1]
+        if self.sequence_length(local_len) > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}"
+                f"sequence length {self.sequence_length(local_len)} exceeds max_seq_len {self.config.max_seq_len}"
             )
-        rope_cache = self.rope_cache[:seq_len]
+        if self.context_parallel is None:
+            rope_cache = self.rope_cache[:local_len]
+        else:  # this rank's tokens sit at their global positions
+            rope_cache = self.rope_cache[self.positions(local_len, self.rope_cache.device)]
         for layer in self.layers.values():
             h = layer(h, rope_cache)
         if self.norm is not None:

@@ -122,7 +122,8 @@ def _count_on_meta(cfg: DictConfig, rank: int, world: int) -> dict[str, int]:
         replicate, shard = strategy.data_parallel_split(dp) if strategy.uses_dp else (1, 1)
         tp = int(cfg.tp) if strategy.uses_tp else 1
         pp = int(cfg.pp) if strategy.uses_pp else 1
-        strategy.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp,
+        cp = int(cfg.cp) if strategy.uses_cp else 1
+        strategy.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp,
                                               world_size=world)
         strategy.parallel_dims.build_mesh("cpu")
         precision = instantiate(cfg.precision)
