@@ -17,7 +17,8 @@ from trainer.planner import plan
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 EXPECTED = {"llama2_7b_finetune_4xa100", "llama3_8b_8xh100", "llama2_70b_64xh100", "llama3_70b_64xh100",
-            "budget_10b_2xrtx3090", "gpt3_175b_256xa100", "llama3_405b_1024xh100", "tiny_3d_cpu"}
+            "budget_10b_2xrtx3090", "gpt3_175b_256xa100", "llama3_405b_1024xh100", "tiny_3d_cpu",
+            "llama3_8b_128k_64xh100"}
 # What a plan needs besides the recipe: the fine-tune reads no weights to plan.
 PLAN_EXTRA = {"llama2_7b_finetune_4xa100": ["init_from=null"]}
 
@@ -86,6 +87,7 @@ SCALED = {
     "gpt3_175b_256xa100": ["tp=2", "pp=1"],  # GPT blocks under tensor + sequence parallelism, bf16_true masters
     "llama3_405b_1024xh100": ["tp=1", "pp=2"],  # interleaved 1F1B, 2 virtual stages per rank
     "tiny_3d_cpu": ["tp=1", "pp=2"],  # 1F1B
+    "llama3_8b_128k_64xh100": ["tp=1", "cp=2"],  # ring attention over 2 ranks, FSDP over the cp ranks
 }
 
 

@@ -92,8 +92,8 @@ class DDP(DistributedStrategy):
             f"precision.reduce_dtype={DTYPE_NAMES[grad_dtype]}{hooks.get(reduce_dtype, '')}, or pick strategy=zero2, "
             "zero3 or fsdp, whose FSDP2 mixed-precision policy reduces in the requested dtype")
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp), "dp_flavour": "ddp" if dp > 1 else "none",
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": "ddp" if dp * cp > 1 else "none",
                 "comm_hook": self.comm_hook, "bucket_cap_mb": float(self.bucket_cap_mb)}
 
     def full_init(self, model: nn.Module) -> bool:
@@ -293,8 +293,8 @@ class ZeRO1(DDP):
         # stepped there; on a CPU run the copies sit in the same memory (nothing saved, the GPU path)
         return torch.device("cpu") if self.offload_optimizer else None
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp), "dp_flavour": "zero1" if dp > 1 else "none",
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": "zero1" if dp * cp > 1 else "none",
                 "offload_optimizer": self.offload_optimizer}
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:

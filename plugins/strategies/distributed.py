@@ -80,9 +80,9 @@ class DistributedStrategy(Strategy):
         self.context_parallel: ContextParallel | None = None
 
     # ---- topology -----------------------------------------------------------------------------------
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
         replicate, shard = self.data_parallel_split(dp) if self.uses_dp else (1, 1)
-        return {**super().planner_layout(dp, tp, pp), "dp_replicate": replicate, "dp_shard": shard}
+        return {**super().planner_layout(dp, tp, pp, cp), "dp_replicate": replicate, "dp_shard": shard}
 
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
                           pp: int = 1, cp: int = 1, cp_method: str = "ring") -> None:

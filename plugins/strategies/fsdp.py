@@ -130,8 +130,8 @@ class FSDP(DistributedStrategy):
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
         return self.options.data_parallel_split(dp)
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp), **self.options.planner_fields()}
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp, cp), **self.options.planner_fields()}
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),

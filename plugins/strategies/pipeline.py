@@ -68,8 +68,8 @@ class PipelineParallel(DistributedStrategy):
     def pipeline_schedule(self) -> str | None:
         return self.pipeline_options.schedule
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp), **self.pipeline_options.planner_fields(pp)}
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp, cp), **self.pipeline_options.planner_fields(pp)}
 
     def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
         """Raise ValueError (one line) when the pipeline cannot be built or torch's schedule would refuse."""

@@ -172,8 +172,8 @@ class TensorParallel(DistributedStrategy):
                              "trainer.devices=2, or strategy=single for one process")
         check_tensor_parallel_sizes(model_cfg, tp, seq_len, sequence_parallel)
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp), "tp": tp, "sequence_parallel": self.sequence_parallel,
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp, cp), "tp": tp, "sequence_parallel": self.sequence_parallel,
                 "loss_parallel": self.loss_parallel}
 
     # ---- model (in the fixed order) -----------------------------------------------------------------

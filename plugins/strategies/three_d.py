@@ -131,12 +131,12 @@ class ThreeD(DistributedStrategy):
             return torch.device("cpu") if self.offload_optimizer else None
         return self.fsdp_options.optimizer_host
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        layout = {**super().planner_layout(dp, tp, pp),  # dp_replicate x dp_shard from data_parallel_split
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        layout = {**super().planner_layout(dp, tp, pp, cp),  # dp_replicate x dp_shard from data_parallel_split
                   "tp": tp, "sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel,
                   **self.pipeline_options.planner_fields(pp)}
         if self.replicating:
-            return {**layout, "dp_flavour": self.data_parallel if dp > 1 else "none",
+            return {**layout, "dp_flavour": self.data_parallel if dp * cp > 1 else "none",
                     "offload_optimizer": self.optimizer_host is not None}
         return {**layout, **self.fsdp_options.planner_fields()}
 

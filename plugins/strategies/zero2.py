@@ -47,8 +47,8 @@ class ZeRO2(DistributedStrategy):
         # masters and step in host memory; on a CPU run the copies sit in the same memory
         return torch.device("cpu") if self.offload_optimizer else None
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp), "dp_flavour": "zero2" if dp > 1 else "none",
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
+        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": "zero2" if dp * cp > 1 else "none",
                 "bucket_cap_mb": float(self.bucket_cap_mb), "offload_optimizer": self.offload_optimizer}
 
     def full_init(self, model: nn.Module) -> bool:

@@ -104,12 +104,14 @@ class Strategy:
         """The pipeline schedule's name (`gpipe`, `1f1b`, ...); None without pipeline parallelism."""
         return None
 
-    def planner_layout(self, dp: int, tp: int, pp: int) -> dict[str, Any]:
+    def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
         """The fields of the planner's `Layout` (trainer/planner/layout.py) that this strategy decides, for
-        `dp`/`tp`/`pp` ranks: parallel sizes, the data-parallel flavour and what it shards, pipeline
-        schedule, communication options. A strategy extends its parent's dict with its own fields."""
+        `dp`/`tp`/`pp`/`cp` ranks: parallel sizes, the data-parallel flavour and what it shards (over dp x cp:
+        context-parallel ranks are data-parallel ranks for the weights), pipeline schedule, communication
+        options. A strategy extends its parent's dict with its own fields."""
         del dp, tp, pp
-        return {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "dp_flavour": "none"}
+        return {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": cp if self.uses_cp else 1,
+                "dp_flavour": "none"}
 
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,

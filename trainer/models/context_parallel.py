@@ -141,7 +141,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return _all_to_all(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
+        group, ctx.group = ctx.group, None  # a graph kept alive must not keep the group past its destruction
+        return _all_to_all(grad, group, ctx.gather, ctx.scatter), None, None, None
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int) -> torch.Tensor:
@@ -149,7 +150,20 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather:
     send = torch.stack(x.chunk(size, scatter)).contiguous()
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
+    if gather == 1:  # the output of attention: token-major, so the caller's [B, S, H*D] reshape is a view
+        out = _heads_view_of_tokens_major(x, heads=x.shape[1] * size, seq=x.shape[2] // size)
+        torch.cat(received.unbind(0), gather, out=out)
+        return out
     return torch.cat(received.unbind(0), gather)
+
+
+def _heads_view_of_tokens_major(like: torch.Tensor, heads: int | None = None, seq: int | None = None) -> torch.Tensor:
+    """An empty [B, H, S, D] tensor stored as [B, S, H, D], as SDPA lays out its output: the attention output's
+    transpose-and-reshape to [B, S, H*D] for the output projection is then a view, not a second copy that
+    autograd would keep beside the one attention saves."""
+    b, h, s, d = like.shape
+    h, s = heads or h, seq or s
+    return torch.empty(b, s, h, d, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
 @torch._dynamo.disable  # collectives inside: keep a compiled block's graph around it
@@ -162,15 +176,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     head; autograd sums the copies' gradients.
     """
     cp = dist.get_world_size(group)
-    repeat = _kv_repeat(q.shape[1], k.shape[1], cp)
+    repeat = kv_head_repeat(q.shape[1], k.shape[1], cp)
     k, v = _expand_kv(k, repeat), _expand_kv(v, repeat)
     whole = [_AllToAll.apply(t, group, 1, 2) for t in (q, k, v)]
     out = local_attention(*whole)
     return _AllToAll.apply(out, group, 2, 1)
 
 
-def _kv_repeat(heads: int, kv_heads: int, cp: int) -> int:
-    """The least copy count of each K/V head that makes the K/V heads divisible by cp (dividing the group)."""
+def kv_head_repeat(heads: int, kv_heads: int, cp: int) -> int:
+    """Under all_to_all: the least copy count of each K/V head that makes the K/V heads divisible by cp (dividing the group)."""
     if heads % cp:
         raise ValueError(f"all_to_all context parallelism needs the query heads ({heads} on this rank) "
                          f"divisible by cp={cp}")
@@ -309,7 +323,9 @@ class _RingAttention(torch.autograd.Function):
                 outs[a], lses[a] = _merge(outs[a], lses[a], out, lse)
             if pending is not None:
                 kv = ring.finish(pending)
-        out = torch.cat(outs, 2).to(q.dtype)  # type: ignore[arg-type]
+        out = _heads_view_of_tokens_major(q)
+        for a, block in enumerate(outs):
+            out[:, :, a * q_blocks[0].shape[2]:(a + 1) * q_blocks[0].shape[2]] = block
         lse = torch.cat(lses, 2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.context, ctx.dropout_p, ctx.seed, ctx.scale = context, dropout_p, seed, scale
@@ -319,6 +335,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         context: ContextParallel = ctx.context
+        ctx.context = None  # a graph kept alive must not keep the group past its destruction
         cp, rank = context.size, context.rank
         groups = q.shape[1] // k.shape[1]
         q_ids = sequence_chunks(rank, cp, True)

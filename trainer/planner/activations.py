@@ -95,13 +95,17 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence
 
 
 def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int = 1,
-                  materialized: bool | None = None) -> list[Saved]:
+                  materialized: bool | None = None, score_len: int | None = None,
+                  all_to_all: bool = False) -> list[Saved]:
     """The tensors one transformer block saves for the backward (per micro-batch of b sequences of s).
 
     `mask_bytes`: bytes per element of a dropout mask: 1 on CUDA (bool masks, Korthikanti's assumption);
     torch's CPU dropout keeps its mask in the activation dtype. `materialized` (default: the model's
     `attn_impl`): whether the attention scores exist, as in SDPA's math path, which the CPU takes for
-    attention with dropout.
+    attention with dropout. `score_len`: keys per query in those scores (default s; under all_to_all
+    context parallelism a rank's s/cp tokens' worth of heads see the whole sequence). `all_to_all`: fused
+    attention's own output is then a tensor of its own (the all-to-all back to token shards makes another),
+    kept beside the output projection's input.
     """
     if materialized is None:
         materialized = inv.attn_impl == "materialized"
@@ -110,7 +114,7 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
     selective = frozenset({"none", "attention", "selective"})
     if inv.family == "gpt":
         mask = 1 if inv.dropout > 0 else 0  # no dropout, no masks (and the softmax output feeds x V itself)
-        asb = a * s * s * b
+        asb = a * s * (s if score_len is None else score_len) * b
         if materialized:  # Korthikanti's attention terms one by one
             attention = [
                 Saved("q, k (for QK^T)", 2 * sb * h, e, TP),
@@ -127,6 +131,9 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
             attention = [Saved("q, k, v, attention output", 4 * sb * h, e, TP, selective),
                          Saved("attention logsumexp", a * sb, 4, TP, selective)]
             selective_attention = []
+            if all_to_all:
+                attention.append(Saved("attention output before the all-to-all", sb * h, e, TP,
+                                       frozenset({"none", "selective"})))
         return [
             Saved("layernorm 1 input", sb * h, e, SP, selective, block_input=True),
             Saved("qkv projection input", sb * h, e, SP),
@@ -145,7 +152,8 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
             Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
         ]
     q, kv = inv.attention_dim, inv.kv_dim
-    return [
+    exchanged = [Saved("attention output before the all-to-all", sb * q, e, TP, frozenset({"none", "selective"}))]
+    return [*(exchanged if all_to_all else []),
         Saved("attention_norm input (block input)", sb * h, e, SP, selective, block_input=True),
         Saved("attention_norm x*rstd", sb * h, e, SP),
         Saved("attention_norm rstd", sb, 4, SP),
@@ -247,16 +255,27 @@ class ActivationEstimate:
     recompute_transient: float  # one block's activations rebuilt during its backward
     logits_transient: float  # logits, their fp32 copy and gradient on the last stage
     notes: list[str] = field(default_factory=list)
+    position_tables: float = 0.0  # under context parallelism: RoPE rows of the rank's global positions
 
 
 def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
                          device_type: str = "cuda") -> ActivationEstimate:
-    """Activation memory of pipeline rank `pp_rank` (every rank without pipelining)."""
-    s, b, e, t, sp = layout.seq_len, layout.micro_batch_size, layout.compute_bytes, layout.tp, layout.sequence_parallel
+    """Activation memory of pipeline rank `pp_rank` (every rank without pipelining).
+
+    Under context parallelism a rank holds s / cp tokens of each sequence, so every per-token term is
+    divided by cp. Ring attention keeps q, k, v, the output and the log-sum-exp of its own tokens and
+    never the scores (its blocks are computed and dropped); all_to_all runs the model's attention on
+    n_heads / cp heads of the whole sequence, so materialized scores are a / cp x s x s.
+    """
+    s, b, e, t, sp = layout.local_seq_len, layout.micro_batch_size, layout.compute_bytes, layout.tp, layout.sequence_parallel
     sp = sp and t > 1
     mask_bytes = 1 if device_type == "cuda" else e
     materialized = inv.attn_impl == "materialized" or (inv.dropout > 0 and device_type == "cpu")
-    tensors = saved_tensors(inv, s, b, e, mask_bytes, materialized)
+    if layout.cp > 1 and layout.cp_method == "ring":
+        materialized = False
+    a2a = layout.cp > 1 and layout.cp_method == "all_to_all"
+    tensors = saved_tensors(inv, s, b, e, mask_bytes, materialized, score_len=layout.seq_len,
+                            all_to_all=a2a and not materialized)
     policy = layout.checkpointing
     none = layer_bytes(tensors, "none", t, sp)
     part: RankPart = rank_part(inv, layout, pp_rank)
@@ -274,6 +293,10 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
     first = 0.0
     if part.first:
         first = in_flight * sum(x.bytes(t, sp) for x in embedding_saved_tensors(inv, s, b, mask_bytes))
+    positions = 0.0
+    if layout.cp > 1 and inv.family == "llama":
+        # each stage's forward gathers the RoPE rows of its tokens' global positions (fp32 cos and sin)
+        positions = in_flight * len(part.stage_layers) * s * 2 * inv.head_dim * 4
     head_in_flight = float(layout.num_microbatches) if (layout.pp > 1 and layout.schedule == "gpipe") else 1.0
     last = 0.0
     logits = 0.0
@@ -291,7 +314,7 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         # the same on every tp rank) until that micro-batch's backward
         ends = sum(1 for _ in part.stage_layers) * 2 - (1 if part.first else 0) - (1 if part.last else 0)
         boundaries = ends * s * b * inv.dim * e * in_flight / len(part.stage_layers)
-    device = blocks + first + last + boundaries
+    device = blocks + first + last + boundaries + positions
     host = 0.0
     notes = []
     if policy == "offload":
@@ -303,5 +326,5 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         per_layer_none=none, per_layer_kept=per_layer, layers=part.layers, checkpointed=checkpointed,
         in_flight=in_flight, blocks=blocks, first_stage=first, last_stage=last, boundaries=boundaries,
         device=device, host=host,
-        recompute_transient=max(recompute, 0.0), logits_transient=logits, notes=notes,
+        recompute_transient=max(recompute, 0.0), logits_transient=logits, notes=notes, position_tables=positions,
     )

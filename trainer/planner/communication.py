@@ -17,7 +17,13 @@ What each strategy of this trainer communicates (M micro-batches per step):
 - tp (Megatron layout, per layer and micro-batch): two all-reduces in the forward and two in the
   backward of an activation (s x b x h), or with sequence parallelism the same bytes as all-gathers and
   reduce-scatters; recomputed blocks communicate their forward again;
-- pp: each micro-batch's activation sent forward and its gradient backward at every stage boundary.
+- pp: each micro-batch's activation sent forward and its gradient backward at every stage boundary;
+- cp (per layer and micro-batch, s/cp tokens per rank): ring attention sends its K/V block cp - 1 times
+  in the forward, again in the backward together with cp hops of the fp32 K/V gradients (which travel
+  back to their owner); all_to_all (Ulysses) exchanges q, k, v and the output in the forward and their
+  gradients in the backward, each all-to-all moving (cp-1)/cp of the rank's tensor. Recomputed blocks
+  (and the attention core under `attention` checkpointing) communicate their forward again. Gradients of
+  the weights are averaged over dp x cp (the dp groups above include the cp ranks).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from trainer.planner.memory import RankCoords, rank_numel, rank_part
 from trainer.planner.params import ModelInventory
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, P2P = "all-reduce", "all-gather", "reduce-scatter", "point-to-point"
+ALL_TO_ALL = "all-to-all"
 
 
 @dataclass
@@ -49,8 +56,9 @@ class Collective:
 
     def timed(self, hardware: HardwareConfig) -> Collective:
         n = self.group_size
-        factor = {ALL_REDUCE: 2 * (n - 1) / n, ALL_GATHER: (n - 1) / n, REDUCE_SCATTER: (n - 1) / n, P2P: 1.0}[self.op]
-        hops = {ALL_REDUCE: 2 * (n - 1), ALL_GATHER: n - 1, REDUCE_SCATTER: n - 1, P2P: 1}[self.op]
+        factor = {ALL_REDUCE: 2 * (n - 1) / n, ALL_GATHER: (n - 1) / n, REDUCE_SCATTER: (n - 1) / n, P2P: 1.0,
+                  ALL_TO_ALL: (n - 1) / n}[self.op]
+        hops = {ALL_REDUCE: 2 * (n - 1), ALL_GATHER: n - 1, REDUCE_SCATTER: n - 1, P2P: 1, ALL_TO_ALL: n - 1}[self.op]
         self.sent_bytes = factor * self.payload_bytes
         self.time_s = (self.sent_bytes / hardware.group_bandwidth(self.spans_nodes)
                        + self.count * hops * hardware.group_latency(self.spans_nodes))
@@ -58,8 +66,10 @@ class Collective:
 
 
 def spans_nodes(layout: Layout, dimension: str, devices_per_node: int) -> bool:
-    """Whether the groups of a mesh dimension cross node boundaries (mesh order pp, dp_replicate, dp_shard, tp)."""
-    order = [("pp", layout.pp), ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard), ("tp", layout.tp)]
+    """Whether the groups of a mesh dimension cross node boundaries (mesh order pp, dp_replicate, dp_shard, cp,
+    tp)."""
+    order = [("pp", layout.pp), ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard),
+             ("cp", layout.cp), ("tp", layout.tp)]
     stride = 1
     for name, size in reversed(order):
         if name == dimension:
@@ -77,32 +87,37 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
     part = rank_part(inv, layout, coords.pp)
     gpn = hardware.devices_per_node
     flavour = layout.dp_flavour
-    if flavour in ("ddp", "zero1") and layout.dp_replicate > 1:
+    replicas = layout.replica_group  # dp_replicate x cp
+    if (flavour in ("ddp", "zero1") and replicas > 1) or (flavour == "none" and layout.cp > 1):
+        # (tp and pp alone average the gradients over the cp ranks with one all-reduce, as ddp does)
         grad_bytes = {"fp16": 2, "bf16": 2}.get(layout.comm_hook, layout.param_bytes)
         payload = full * grad_bytes * (0.01 if layout.comm_hook == "powersgd" else 1.0)
         buckets = max(1, math.ceil(payload / (layout.bucket_cap_mb * 2**20)))
-        span = spans_nodes(layout, "dp_replicate", gpn)
-        out.append(Collective("dp", ALL_REDUCE, buckets, layout.dp_replicate, payload, span))
+        span = _spans(layout, ("dp_replicate", "cp"), gpn)
+        out.append(Collective("dp", ALL_REDUCE, buckets, replicas, payload, span))
         if flavour == "zero1":
-            out.append(Collective("dp", ALL_GATHER, 1, layout.dp_replicate, full * layout.param_bytes, span))
-    elif flavour == "zero2" and layout.dp_replicate > 1:
+            out.append(Collective("dp", ALL_GATHER, 1, replicas, full * layout.param_bytes, span))
+    elif flavour == "zero2" and replicas > 1:
         payload = full * layout.reduce_bytes
         buckets = max(1, math.ceil(payload / (layout.bucket_cap_mb * 2**20)))
-        span = spans_nodes(layout, "dp_replicate", gpn)
-        out.append(Collective("dp", REDUCE_SCATTER, buckets, layout.dp_replicate, payload, span))
-        out.append(Collective("dp", ALL_GATHER, 1, layout.dp_replicate, full * layout.param_bytes, span))
+        span = _spans(layout, ("dp_replicate", "cp"), gpn)
+        out.append(Collective("dp", REDUCE_SCATTER, buckets, replicas, payload, span))
+        out.append(Collective("dp", ALL_GATHER, 1, replicas, full * layout.param_bytes, span))
     elif layout.fsdp:
         units = part.layers + 1  # one fully_shard unit per block, plus the root
-        span = spans_nodes(layout, "dp_shard", gpn)
+        span = _spans(layout, ("dp_shard", "cp"), gpn)
         gathers = 2 if layout.reshard_after_forward else 1
-        out.append(Collective("dp", ALL_GATHER, gathers * units * m, layout.dp_shard,
+        shards = layout.shard_group  # dp_shard x cp
+        out.append(Collective("dp", ALL_GATHER, gathers * units * m, shards,
                               gathers * m * full * layout.unsharded_param_bytes, span))
-        out.append(Collective("dp", REDUCE_SCATTER, units * m, layout.dp_shard, m * full * layout.reduce_bytes, span))
+        out.append(Collective("dp", REDUCE_SCATTER, units * m, shards, m * full * layout.reduce_bytes, span))
         if layout.dp_replicate > 1:
             out.append(Collective("dp", ALL_REDUCE, units * m, layout.dp_replicate, m * shard * layout.reduce_bytes,
                                   spans_nodes(layout, "dp_replicate", gpn)))
+    if layout.cp > 1:
+        out += context_parallel_collectives(inv, layout, coords, gpn)
     if layout.tp > 1:
-        activation = layout.seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
+        activation = layout.local_seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
         per_layer = 4  # forward and backward: two all-reduces each (or their all-gather/reduce-scatter halves)
         from trainer.planner.activations import checkpointed_layers
 
@@ -119,8 +134,39 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
         else:
             out.append(Collective("tp", ALL_REDUCE, count, layout.tp, count * activation, span))
     if layout.pp > 1:
-        activation = layout.seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
+        activation = layout.local_seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
         boundaries = 2 * layout.virtual_stages - (1 if part.first else 0) - (1 if part.last else 0)
         sends = m * max(boundaries, 0)
         out.append(Collective("pp", P2P, sends, 2, sends * activation, spans_nodes(layout, "pp", gpn)))
     return [c.timed(hardware) for c in out]
+
+
+def _spans(layout: Layout, dimensions: tuple[str, ...], devices_per_node: int) -> bool:
+    """Whether a group joining several mesh dimensions crosses nodes (its outermost dimension in use does)."""
+    return any(spans_nodes(layout, d, devices_per_node) for d in dimensions if getattr(layout, d) > 1)
+
+
+def context_parallel_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
+                                 devices_per_node: int) -> list[Collective]:
+    """The attention traffic of context parallelism for one rank and step (see the module docstring)."""
+    from trainer.models.context_parallel import kv_head_repeat
+    from trainer.planner.activations import checkpointed_layers
+
+    cp, tp, m = layout.cp, layout.tp, layout.num_microbatches
+    part = rank_part(inv, layout, coords.pp)
+    forwards = part.layers + checkpointed_layers(layout, inv, coords.pp)  # recomputed blocks run theirs again
+    if layout.checkpointing == "attention":
+        forwards += part.layers
+    tokens = layout.local_seq_len * layout.micro_batch_size
+    q_width, kv_width = inv.attention_dim / tp, inv.kv_dim / tp
+    span = spans_nodes(layout, "cp", devices_per_node)
+    if layout.cp_method == "ring":
+        block = 2 * tokens * kv_width * layout.compute_bytes  # this rank's K and V
+        kv_hops = m * (cp - 1) * (forwards + part.layers)  # forward(s), and the backward's pass of the ring
+        grad_hops = m * cp * part.layers  # fp32 dK, dV travel home
+        return [Collective("cp", P2P, kv_hops, cp, kv_hops * block, span),
+                Collective("cp", P2P, grad_hops, cp, grad_hops * 2 * tokens * kv_width * 4, span)]
+    repeat = kv_head_repeat(inv.n_heads // tp, inv.n_kv_heads // tp, cp)
+    exchanged = tokens * (2 * q_width + 2 * kv_width * repeat) * layout.compute_bytes  # q, k, v in; output back
+    passes = m * (forwards + part.layers)
+    return [Collective("cp", ALL_TO_ALL, 4 * passes, cp, passes * exchanged, span)]

@@ -41,6 +41,8 @@ class Plan:
     dp: int
     tp: int
     pp: int
+    cp: int
+    context_parallel: str  # which context-parallel method the estimate assumes, in words ("" with cp=1)
     dp_flavour: str
     checkpointing: str
     precision: str
@@ -181,7 +183,8 @@ def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: H
     }
     return Plan(
         model=str(cfg.model.name), num_params=inv.num_params(), hardware=hardware.name, world_size=layout.world_size,
-        strategy=layout.strategy, dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_flavour=layout.dp_flavour,
+        strategy=layout.strategy, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+        context_parallel=context_parallel_statement(layout), dp_flavour=layout.dp_flavour,
         checkpointing=layout.checkpointing, precision=layout.precision, micro_batch_size=layout.micro_batch_size,
         num_microbatches=layout.num_microbatches, rank=chosen.rank,
         memory=dict(chosen.device), state_bytes=dict(chosen.state), host_bytes=chosen.host,
@@ -198,6 +201,20 @@ def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: H
     )
 
 
+def context_parallel_statement(layout: Layout) -> str:
+    """The context-parallel method the estimate assumes, in words (empty without context parallelism)."""
+    if layout.cp == 1:
+        return ""
+    tokens = f"each rank holds {layout.local_seq_len:,} of the {layout.seq_len:,} tokens of a sequence"
+    if layout.cp_method == "ring":
+        return (f"context parallel cp={layout.cp}, ring attention (cp_method=ring): {tokens} as chunks i and "
+                f"2cp-1-i; its K/V block goes round the ring cp-1 times forward and backward, fp32 K/V gradients "
+                f"cp hops; activations / cp, no s x s scores kept")
+    return (f"context parallel cp={layout.cp}, all-to-all (cp_method=all_to_all, DeepSpeed-Ulysses): {tokens}; "
+            f"q, k, v and the output exchanged by all-to-all around attention, which runs on n_heads/(tp x cp) "
+            f"heads of the whole sequence")
+
+
 def activation_formula(inv: ModelInventory, layout: Layout) -> str:
     """The per-layer formula used, in words (see trainer/planner/activations.py)."""
     if inv.family == "gpt" and inv.attn_impl == "materialized":
@@ -208,4 +225,5 @@ def activation_formula(inv: ModelInventory, layout: Layout) -> str:
         base = ("Llama block with SDPA and SwiGLU: e*sb*(8h + 2h_kv + 4f) + 4abs + 8sb bytes per layer "
                 "(e = activation bytes), TP splits heads/ffn, SP splits norms")
     schedule = layout.schedule if layout.pp > 1 else "(no pipeline)"
-    return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}"
+    cp = f"; s = {layout.local_seq_len} tokens per rank (cp={layout.cp})" if layout.cp > 1 else ""
+    return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}{cp}"

@@ -75,7 +75,7 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
         # a block's gradients are computed unsharded (compute dtype), then cast for the reduce-scatter
         grads = layer_numel if part.layers else root
         fb["unsharded gradients of a block"] = grads * (layout.unsharded_param_bytes + layout.reduce_bytes)
-    elif layout.strategy == "3d" and layout.dp > 1:
+    elif layout.strategy == "3d" and layout.replica_group > 1:
         # torch's `replicate` (3d's ddp/zero1 flavours) gathers each block's compute copy (FSDP2's machinery,
         # a world of one shard) and keeps it from the forward to the end of the backward
         fb["replicated parameters gathered for compute"] = full * layout.unsharded_param_bytes
@@ -89,12 +89,12 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
     if layout.optimizer_states:
         # foreach AdamW/SGD builds intermediates the size of the moments (e.g. sqrt of exp_avg_sq)
         step["optimizer intermediates"] = optimizer_numel * layout.optimizer_state_bytes
-    if layout.dp_flavour == "zero2" and layout.dp > 1:
+    if layout.dp_flavour == "zero2" and layout.replica_group > 1:
         # the whole local gradient lives until the reduce-scatter (the state counts only this rank's
         # rows), plus one bucket's send buffer and its received rows
         bucket = min(full, layout.bucket_cap_mb * 2**20 / layout.reduce_bytes)
         fb["local gradients before the reduce-scatter"] = (full - shard) * layout.param_bytes + (
-            bucket * (1 + 1 / layout.dp)) * layout.reduce_bytes
+            bucket * (1 + 1 / layout.replica_group)) * layout.reduce_bytes
     if layout.dp_flavour in ("zero1", "zero2"):
         step["ZeRO all-gather buffers"] = (full + shard) * layout.param_bytes
     return fb, step

@@ -35,6 +35,11 @@ class Layout:
     # ---- strategy ----
     strategy: str  # the strategy option: single, ddp, zero1, zero2, zero3, fsdp, tp, pp, 3d
     dp_flavour: str  # one of DP_FLAVOURS
+    # Context parallel: each sequence split over cp ranks (activations / cp; weights, gradients and
+    # optimizer states are reduced and sharded over dp x cp).
+    cp: int = 1
+    # ring (K/V blocks round the cp ring) or all_to_all (Ulysses); see trainer/models/context_parallel.py.
+    cp_method: str = "ring"
     # FSDP: free the gathered parameters after each block's forward (zero3) or keep them (shard_grad_op).
     reshard_after_forward: bool = True
     prefetch_blocks: int = 1
@@ -85,7 +90,23 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        return self.dp_flavour in ("shard_grad_op", "zero3", "hybrid_shard") and self.dp_shard > 1
+        return self.dp_flavour in ("shard_grad_op", "zero3", "hybrid_shard") and self.shard_group > 1
+
+    @property
+    def replica_group(self) -> int:
+        """Ranks over which replicated weights' gradients are averaged (ddp, zero1, zero2 partition over
+        them too): the replicas x cp."""
+        return self.dp_replicate * self.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks FSDP shards over: dp_shard x cp (hybrid sharding replicates across dp_replicate)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds (the whole sequence without context parallelism)."""
+        return self.seq_len // self.cp
 
     @property
     def autocast(self) -> bool:
@@ -104,7 +125,8 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     strategy = instantiate(cfg.strategy)
     tp = int(cfg.tp) if strategy.uses_tp else 1
     pp = int(cfg.pp) if strategy.uses_pp else 1
-    topology = strategy.planner_layout(data_parallel_size(cfg), tp, pp)
+    cp = int(cfg.cp) if strategy.uses_cp else 1
+    topology = strategy.planner_layout(data_parallel_size(cfg), tp, pp, cp)
 
     precision = instantiate(cfg.precision)
     param_dtype = precision.param_dtype
@@ -126,6 +148,7 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     t = cfg.trainer
     return Layout(
         world_size=world_size(cfg), strategy=str(cfg.strategy.get("name", None) or strategy.name), **topology,
+        cp_method=str(cfg.cp_method),
         checkpointing=str(checkpointing.name), checkpoint_every_n=checkpointing.checkpoint_every_n,
         micro_batch_size=int(t.micro_batch_size), global_batch_size=int(t.global_batch_size), seq_len=int(t.seq_len),
         precision=str(precision.name),

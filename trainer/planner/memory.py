@@ -108,26 +108,27 @@ def model_state_bytes(full_numel: float, shard_numel: float, sharding: StateShar
 # ---- what one rank holds ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankCoords:
-    """A rank's position in the mesh (pp, dp_replicate, dp_shard, tp), outermost to innermost."""
+    """A rank's position in the mesh (pp, dp_replicate, dp_shard, cp, tp), outermost to innermost."""
 
     pp: int = 0
     dp_replicate: int = 0
     dp_shard: int = 0
     tp: int = 0
+    cp: int = 0
 
     @staticmethod
     def of(rank: int, layout: Layout) -> RankCoords:
-        sizes = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+        sizes = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
         coords = []
         for size in reversed(sizes):
             coords.append(rank % size)
             rank //= size
-        pp, rep, shard, tp = reversed(coords)
-        return RankCoords(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp)
+        pp, rep, shard, cp, tp = reversed(coords)
+        return RankCoords(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp)
 
     def rank(self, layout: Layout) -> int:
         outer = (self.pp * layout.dp_replicate + self.dp_replicate) * layout.dp_shard + self.dp_shard
-        return outer * layout.tp + self.tp
+        return (outer * layout.cp + self.cp) * layout.tp + self.tp
 
 
 def chunk_rows(rows: int, rank: int, world: int) -> int:
@@ -203,16 +204,19 @@ def rank_numel(inv: ModelInventory, layout: Layout, coords: RankCoords) -> tuple
     """(model-parallel local elements, of which this rank's data-parallel shard) for one rank."""
     # cached on what decides it, so the search's policy and micro-batch variants share the result
     key = (layout.tp, layout.pp, layout.virtual_stages, layout.layers_per_stage, layout.embedding_weight,
-           layout.head_weight, layout.dp_flavour, layout.dp_replicate, layout.dp_shard)
+           layout.head_weight, layout.dp_flavour, layout.dp_replicate, layout.dp_shard, layout.cp)
     return _rank_numel(inv, key, coords)
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[int, int]:
-    tp, pp, virtual, per_stage, embedding_weight, head_weight, flavour, replicate, shards = key
-    layout = Layout(world_size=tp * pp * replicate * shards, dp_replicate=replicate, dp_shard=shards, tp=tp, pp=pp,
-                    strategy="", dp_flavour=flavour, virtual_stages=virtual, layers_per_stage=per_stage,
+    tp, pp, virtual, per_stage, embedding_weight, head_weight, flavour, replicate, shards, cp = key
+    layout = Layout(world_size=tp * pp * replicate * shards * cp, dp_replicate=replicate, dp_shard=shards, tp=tp,
+                    pp=pp, cp=cp, strategy="", dp_flavour=flavour, virtual_stages=virtual, layers_per_stage=per_stage,
                     embedding_weight=embedding_weight, head_weight=head_weight)
+    # the cp ranks join the partition (mesh order: the cp coordinate is the inner one of each group)
+    replica_index = coords.dp_replicate * cp + coords.cp
+    shard_index = coords.dp_shard * cp + coords.cp
     full = shard = 0
     flavour = layout.dp_flavour
     for spec, copies in rank_param_specs(inv, layout, coords.pp):
@@ -223,9 +227,9 @@ def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[in
         rows = shape[0]
         row_numel = numel // rows if rows else 0
         if flavour in ("zero1", "zero2"):
-            part = chunk_rows(rows, coords.dp_replicate, layout.dp_replicate) * row_numel
+            part = chunk_rows(rows, replica_index, layout.replica_group) * row_numel
         elif flavour in ("shard_grad_op", "zero3", "hybrid_shard"):
-            part = chunk_rows(rows, coords.dp_shard, layout.dp_shard) * row_numel
+            part = chunk_rows(rows, shard_index, layout.shard_group) * row_numel
         else:
             part = numel
         full += copies * numel

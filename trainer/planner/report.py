@@ -41,7 +41,9 @@ def format_table(result: Plan) -> str:
     mb = result.micro_batch_size
     lines.append(f"plan: {result.model} ({result.num_params / 1e9:.3f} B parameters) on {result.world_size} x "
                  f"{result.hardware}; strategy {result.strategy}: dp={result.dp} ({result.dp_flavour}) x "
-                 f"tp={result.tp} x pp={result.pp}")
+                 f"tp={result.tp} x pp={result.pp}" + (f" x cp={result.cp}" if result.cp > 1 else ""))
+    if result.context_parallel:
+        lines.append(f"      {result.context_parallel}")
     lines.append(f"      precision {result.precision}, activation checkpointing {result.checkpointing}, "
                  f"{result.num_microbatches} micro-batch(es) of {mb} per step and data-parallel rank")
     lines.append(f"      {result.convention}")

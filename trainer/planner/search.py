@@ -4,8 +4,10 @@ The space, for the configured world size W, hardware and global batch:
 - tp: divisors of W up to the devices per node that split the model (heads, kv heads, ffn width,
   vocabulary and, with sequence parallelism, the sequence, as the tp strategy requires);
 - pp: divisors of W / tp up to the number of layers, with at least pp micro-batches per step;
-- dp = W / (tp pp), dividing the global batch; its flavour ddp, zero1, zero2, zero3, and zero3 with CPU
-  offload on GPUs;
+- cp: divisors of W / (tp pp) up to 64 that cut the sequence into 2 x cp chunks (ring attention with
+  causal load balancing, the method the search assumes; cp=1 always);
+- dp = W / (tp pp cp), dividing the global batch; its flavour ddp, zero1, zero2, zero3, and zero3 with CPU
+  offload on GPUs (sharding over dp x cp);
 - pipeline schedule: 1F1B, and interleaved 1F1B with 2 virtual stages where the layers allow;
 - activation checkpointing: none, attention, selective, every_n (n=2), full;
 - micro-batch: powers of two dividing the per-rank batch.
@@ -33,6 +35,8 @@ log = logging.getLogger("trainer")
 FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "zero3_offload")
 POLICIES = ("none", "attention", "selective", "every_n", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+MAX_CP = 64
+MAX_REJECTED = 50
 
 
 def _divisors(n: int) -> list[int]:
@@ -46,53 +50,62 @@ def _tp_ok(inv: ModelInventory, tp: int, seq_len: int) -> bool:
     return all(size % tp == 0 for size in sizes)
 
 
+def _cp_sizes(seq_len: int, ranks: int) -> list[int]:
+    return [cp for cp in _divisors(ranks) if cp <= MAX_CP and seq_len % (2 * cp) == 0]
+
+
 def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfig) -> Iterator[Layout]:
     world, batch = base.world_size, base.global_batch_size
-    for tp in _divisors(world):
-        if tp > hardware.devices_per_node or not _tp_ok(inv, tp, base.seq_len):
+    for tp, pp, cp in ((tp, pp, cp) for tp in _divisors(world) for pp in _divisors(world // tp)
+                       for cp in _cp_sizes(base.seq_len, world // (tp * pp))):
+        if tp > hardware.devices_per_node or not _tp_ok(inv, tp, base.seq_len // cp) or pp > inv.n_layers:
             continue
-        for pp in _divisors(world // tp):
-            if pp > inv.n_layers:
+        dp = world // (tp * pp * cp)
+        if batch % dp:
+            continue
+        # cp ranks are data-parallel ranks for the weights: a flavour reduces (and may shard) over dp x cp;
+        # tp or pp alone with cp average the gradients over the cp ranks themselves ("none")
+        if dp * cp == 1:
+            flavours: tuple[str, ...] = ("none",)
+        elif dp == 1 and (tp > 1) != (pp > 1):
+            flavours = ("none", *FLAVOURS)
+        else:
+            flavours = FLAVOURS
+        schedules: list[tuple[str, int]] = [("1f1b", 1)]
+        if pp > 1 and inv.n_layers >= 2 * pp:
+            schedules.append(("interleaved_1f1b", 2))
+        if pp == 1:
+            schedules = [(base.schedule, 1)]
+        for flavour, (schedule, virtual), policy, micro in itertools.product(flavours, schedules, POLICIES,
+                                                                             MICRO_BATCHES):
+            if (batch // dp) % micro:
                 continue
-            dp = world // (tp * pp)
-            if batch % dp:
+            m = batch // (dp * micro)
+            if pp > 1 and m < pp:
                 continue
-            flavours = FLAVOURS if dp > 1 else ("none",)
-            schedules: list[tuple[str, int]] = [("1f1b", 1)]
-            if pp > 1 and inv.n_layers >= 2 * pp:
-                schedules.append(("interleaved_1f1b", 2))
-            if pp == 1:
-                schedules = [(base.schedule, 1)]
-            for flavour, (schedule, virtual), policy, micro in itertools.product(flavours, schedules, POLICIES,
-                                                                                 MICRO_BATCHES):
-                if (batch // dp) % micro:
-                    continue
-                m = batch // (dp * micro)
-                if pp > 1 and m < pp:
-                    continue
-                if schedule == "interleaved_1f1b" and m % max(1, m // pp):
-                    continue
-                if flavour == "zero2" and (tp > 1 or pp > 1):
-                    continue  # 3d offers FSDP2's shard_grad_op, not textbook ZeRO-2
-                offload = flavour == "zero3_offload"
-                if offload and hardware.device_type == "cpu":
-                    continue
-                dp_flavour = "zero3" if offload else flavour
-                yield base.replace(
-                    dp_replicate=dp if dp_flavour in ("ddp", "zero1", "zero2") else 1,
-                    dp_shard=dp if dp_flavour == "zero3" else 1,
-                    tp=tp, pp=pp, dp_flavour=dp_flavour, offload=offload,
-                    reshard_after_forward=True, schedule=schedule, virtual_stages=virtual,
-                    layers_per_stage=None, checkpointing=policy, checkpoint_every_n=2 if policy == "every_n" else 1,
-                    micro_batch_size=micro, strategy=_strategy_name(dp_flavour, dp, tp, pp),
-                    comm_hook="none",
-                )
+            if schedule == "interleaved_1f1b" and m % max(1, m // pp):
+                continue
+            if flavour == "zero2" and (tp > 1 or pp > 1):
+                continue  # 3d offers FSDP2's shard_grad_op, not textbook ZeRO-2
+            offload = flavour == "zero3_offload"
+            if offload and hardware.device_type == "cpu":
+                continue
+            dp_flavour = "zero3" if offload else flavour
+            yield base.replace(
+                dp_replicate=dp if dp_flavour in ("ddp", "zero1", "zero2") else 1,
+                dp_shard=dp if dp_flavour == "zero3" else 1,
+                tp=tp, pp=pp, cp=cp, cp_method="ring", dp_flavour=dp_flavour, offload=offload,
+                reshard_after_forward=True, schedule=schedule, virtual_stages=virtual,
+                layers_per_stage=None, checkpointing=policy, checkpoint_every_n=2 if policy == "every_n" else 1,
+                micro_batch_size=micro, strategy=_strategy_name(dp_flavour, dp, tp, pp, cp),
+                comm_hook="none",
+            )
 
 
-def _strategy_name(flavour: str, dp: int, tp: int, pp: int) -> str:
+def _strategy_name(flavour: str, dp: int, tp: int, pp: int, cp: int = 1) -> str:
     if tp == 1 and pp == 1:
-        return flavour if dp > 1 else "single"
-    if dp == 1 and (tp == 1 or pp == 1):
+        return flavour if dp * cp > 1 else "single"
+    if flavour == "none" and (tp == 1 or pp == 1):
         return "tp" if pp == 1 else "pp"
     return "3d"
 
@@ -103,7 +116,9 @@ def layout_overrides(layout: Layout) -> list[str]:
     Every option the search varies is set explicitly, so that values a recipe put into the strategy node
     (its sharding, offload, schedule...) cannot leak into the suggested strategy.
     """
-    out = [f"strategy={layout.strategy}", f"tp={layout.tp}", f"pp={layout.pp}"]
+    out = [f"strategy={layout.strategy}", f"tp={layout.tp}", f"pp={layout.pp}", f"cp={layout.cp}"]
+    if layout.cp > 1:
+        out.append(f"cp_method={layout.cp_method}")
     if layout.strategy == "zero3":
         out.append("strategy.sharding=full_shard")
     if layout.strategy == "3d":
@@ -123,6 +138,8 @@ def layout_overrides(layout: Layout) -> list[str]:
 def describe(layout: Layout) -> str:
     parts = [f"dp={layout.dp} ({layout.dp_flavour}{', offload' if layout.offload else ''})", f"tp={layout.tp}",
              f"pp={layout.pp}"]
+    if layout.cp > 1:
+        parts.append(f"cp={layout.cp} ({layout.cp_method})")
     if layout.pp > 1:
         parts.append(f"{layout.schedule}{f' v={layout.virtual_stages}' if layout.virtual_stages > 1 else ''}")
     every = f"({layout.checkpoint_every_n})" if layout.checkpointing == "every_n" else ""
@@ -165,6 +182,7 @@ def search_configurations(cfg: DictConfig, inv: ModelInventory, base: Layout, ha
         base_overrides = config_overrides(cfg)
     suggestions: list[Suggestion] = []
     seen: set[tuple[str, ...]] = set()
+    rejected = 0
     for layout, estimates in rank_candidates(inv, base, hardware, options):
         overrides = layout_overrides(layout)
         key = tuple(overrides)
@@ -173,6 +191,13 @@ def search_configurations(cfg: DictConfig, inv: ModelInventory, base: Layout, ha
         seen.add(key)
         kept = [o for o in base_overrides if not _replaced(o, overrides)]
         if not _validates(cfg, overrides, kept):
+            rejected += 1
+            if rejected == MAX_REJECTED and not suggestions:
+                # composing costs a third of a second: when the base overrides themselves do not validate,
+                # every candidate fails alike, so stop instead of composing thousands
+                log.warning(f"search: the first {MAX_REJECTED} candidates do not validate with the base "
+                            f"overrides {' '.join(base_overrides)}; giving up")
+                break
             continue
         worst = max(estimates, key=lambda e: e.device["total"])
         t = estimates[0].timing
@@ -191,7 +216,7 @@ def _replaced(override: str, overrides: list[str]) -> bool:
     again (the new option's node replaces the old one), or the plan's own options."""
     key = override.split("=", 1)[0].lstrip("+~")
     keys = {o.split("=", 1)[0] for o in overrides}
-    if key in keys or key in ("mode", "dp") or key.startswith("plan."):
+    if key in keys or key in ("mode", "dp", "cp_method") or key.startswith("plan."):
         return True
     return key.startswith("strategy.") or key.startswith("activation_checkpointing.")
 

@@ -16,7 +16,8 @@ traffic:
 - bubble: (P - 1) / (M + P - 1) for gpipe and 1F1B, (P - 1) / (v M + P - 1) for interleaved 1F1B; the
   zero-bubble schedule is counted at a third of interleaved 1F1B's bubble (Qi et al. 2024's ZB-H1 figure;
   an estimate: its real bubble depends on the backward split);
-- tensor-parallel and pipeline traffic is on the critical path (counted in full); DDP's all-reduce hides
+- tensor-parallel, pipeline and context-parallel traffic is on the critical path (counted in full: an
+  upper bound for the ring, which sends the next K/V block while it computes on the current one); DDP's all-reduce hides
   behind the last micro-batch's backward, FSDP's per micro-batch traffic behind that micro-batch's
   compute, whatever exceeds it is exposed; ZeRO-1's parameter all-gather follows the step (exposed).
 """
@@ -90,7 +91,8 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     per_microbatch = compute / m
     # on the critical path: tensor- and pipeline-parallel traffic, ZeRO-1's gather after the step
     zero1_gather = [c for c in collectives if c.op == "all-gather" and layout.dp_flavour in ("zero1", "zero2")]
-    exposed = sum(c.time_s for c in collectives if c.dimension in ("tp", "pp")) + sum(c.time_s for c in zero1_gather)
+    exposed = sum(c.time_s for c in collectives if c.dimension in ("tp", "pp", "cp")) + sum(
+        c.time_s for c in zero1_gather)
     dp_time = sum(c.time_s for c in collectives if c.dimension == "dp" and c not in zero1_gather)
     if layout.fsdp:
         exposed += max(0.0, dp_time - compute) if m == 1 else m * max(0.0, dp_time / m - per_microbatch)
