@@ -27,6 +27,7 @@ forward and backward; with attention dropout, or on other devices, an exact bloc
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -136,13 +137,14 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
+        # weakly: a graph kept alive (a tensor that still has its grad_fn) must not keep the group alive past
+        # its destruction, which aborts the process at exit
+        ctx.group, ctx.scatter, ctx.gather = weakref.ref(group), scatter, gather
         return _all_to_all(x, group, scatter, gather)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        group, ctx.group = ctx.group, None  # a graph kept alive must not keep the group past its destruction
-        return _all_to_all(grad, group, ctx.gather, ctx.scatter), None, None, None
+        return _all_to_all(grad, ctx.group(), ctx.gather, ctx.scatter), None, None, None
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int) -> torch.Tensor:
@@ -328,14 +330,14 @@ class _RingAttention(torch.autograd.Function):
             out[:, :, a * q_blocks[0].shape[2]:(a + 1) * q_blocks[0].shape[2]] = block
         lse = torch.cat(lses, 2)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.context, ctx.dropout_p, ctx.seed, ctx.scale = context, dropout_p, seed, scale
+        # weakly, as in _AllToAll
+        ctx.context, ctx.dropout_p, ctx.seed, ctx.scale = weakref.ref(context), dropout_p, seed, scale
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        context: ContextParallel = ctx.context
-        ctx.context = None  # a graph kept alive must not keep the group past its destruction
+        context: ContextParallel = ctx.context()
         cp, rank = context.size, context.rank
         groups = q.shape[1] // k.shape[1]
         q_ids = sequence_chunks(rank, cp, True)
