@@ -2,12 +2,17 @@
 
 A dataset directory holds::
 
-    train.bin   raw little-endian token ids
-    val.bin     raw little-endian token ids
-    meta.json   {"format_version": 1, "dtype": "uint16" | "uint32", "vocab_size": N,
-                 "tokenizer": str, "num_tokens": {"train": n, "val": m}, "eos_id": int | null}
+    train.bin          raw little-endian token ids
+    val.bin            raw little-endian token ids
+    train.offsets.bin  (format 2) little-endian uint64 start offset of every document, then num_tokens
+    val.offsets.bin    (format 2) the same for val.bin
+    meta.json          {"format_version": 2, "dtype": "uint16" | "uint32", "vocab_size": N,
+                        "tokenizer": str, "num_tokens": {"train": n, "val": m}, "eos_id": int | null}
 
-The format constants live here so that the writer and the reader cannot drift.
+The offsets index keeps document boundaries without scanning for EOS (a corpus prepared without
+``--append-eos`` has none): document ``i`` of a split is ``tokens[offsets[i]:offsets[i + 1]]``. Format 1
+directories (no offsets files) are still read; their documents are found by EOS. The format constants
+live here so that the writer and the reader cannot drift.
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenFileDataset", "FORMAT_VERSION", "META_FILE", "SPLIT_FILES", "dtype_for_vocab"]
+__all__ = ["TokenFileDataset", "FORMAT_VERSION", "META_FILE", "SPLIT_FILES", "OFFSET_FILES", "OFFSET_DTYPE",
+           "dtype_for_vocab", "offsets_from_eos", "check_offsets"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this reader understands: 1 had no offsets index.
+_READABLE_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
+OFFSET_FILES = {"train": "train.offsets.bin", "val": "val.offsets.bin"}
+OFFSET_DTYPE = np.dtype("<u8")
 # Explicit little-endian so files are portable across hosts.
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -30,6 +40,30 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 def dtype_for_vocab(vocab_size: int) -> str:
     """Name of the smallest supported dtype for ``vocab_size`` (``uint16`` up to 65535)."""
     return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+def offsets_from_eos(tokens: np.ndarray, eos_id: int | None) -> np.ndarray:
+    """Document start offsets (then ``len(tokens)``) of a token array whose documents end with ``eos_id``.
+
+    Without an EOS id the whole array is one document. A trailing piece without EOS is a document too.
+    """
+    n = len(tokens)
+    if eos_id is None or n == 0:
+        return np.array([0, n] if n else [0], dtype=np.int64)
+    ends = np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+    starts = np.concatenate([[0], ends[ends < n]])
+    return np.concatenate([starts, [n]]).astype(np.int64)
+
+
+def check_offsets(where: str, offsets: np.ndarray, num_tokens: int) -> None:
+    """A valid document index starts at 0, never decreases and ends at ``num_tokens``; ValueError if not."""
+    if len(offsets) < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != num_tokens:
+        first = int(offsets[0]) if len(offsets) else None
+        last = int(offsets[-1]) if len(offsets) else None
+        raise ValueError(f"{where}: malformed document index (starts at {first}, ends at {last}; "
+                         f"expected 0 and {num_tokens})")
+    if len(offsets) > 1 and bool(np.any(np.diff(offsets.astype(np.int64)) < 0)):
+        raise ValueError(f"{where}: malformed document index (offsets decrease)")
 
 
 def _require_int(meta_path: Path, value: Any, what: str, minimum: int) -> int:
@@ -58,9 +92,10 @@ def _validate_meta(meta_path: Path, meta: dict[str, Any]) -> None:
     missing = [k for k in ("format_version", "dtype", "vocab_size", "num_tokens") if k not in meta]
     if missing:
         raise ValueError(f"{meta_path}: missing key(s) {', '.join(missing)}")
-    if meta["format_version"] != FORMAT_VERSION:
+    if meta["format_version"] not in _READABLE_VERSIONS:
         raise ValueError(
-            f"{meta_path}: unsupported format_version {meta['format_version']!r} (expected {FORMAT_VERSION})"
+            f"{meta_path}: unsupported format_version {meta['format_version']!r} "
+            f"(this reader knows {', '.join(map(str, _READABLE_VERSIONS))})"
         )
     if meta["dtype"] not in _DTYPES:
         raise ValueError(f"{meta_path}: dtype must be one of {sorted(_DTYPES)}, got {meta['dtype']!r}")
@@ -110,7 +145,12 @@ class TokenFileDataset:
         self.num_tokens: dict[str, int] = {s: self.meta["num_tokens"][s] for s in SPLIT_FILES}
         for split in SPLIT_FILES:
             self._check_file(split)
+        self.has_offsets = self.meta["format_version"] >= 2
+        if self.has_offsets:
+            for split in SPLIT_FILES:
+                self._check_offsets_file(split)
         self._arrays: dict[str, np.ndarray] = {}
+        self._offsets: dict[str, np.ndarray] = {}
 
     def _check_file(self, split: str) -> None:
         file = self.path / SPLIT_FILES[split]
@@ -123,6 +163,32 @@ class TokenFileDataset:
                 f"{file}: size is {actual} bytes but {META_FILE} says {self.num_tokens[split]} "
                 f"{self.meta['dtype']} tokens ({expected} bytes); the dataset is incomplete or stale"
             )
+
+    def _check_offsets_file(self, split: str) -> None:
+        """Size, first and last entry of the document index (cheap: reads two numbers)."""
+        file = self.path / OFFSET_FILES[split]
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found (format_version 2 in {self.path / META_FILE})")
+        size = file.stat().st_size
+        if size == 0 or size % OFFSET_DTYPE.itemsize:
+            raise ValueError(f"{file}: malformed document index ({size} bytes, not a positive multiple of 8)")
+        offsets = np.memmap(file, dtype=OFFSET_DTYPE, mode="r")
+        check_offsets(str(file), np.array([offsets[0], offsets[-1]]), self.num_tokens[split])
+
+    def doc_offsets(self, split: str = "train") -> np.ndarray:
+        """Start offset of every document of ``split``, then the split's token count (int64).
+
+        Read from the offsets index (format 2) or found by EOS (format 1), and checked once.
+        """
+        if split not in self._offsets:
+            if self.has_offsets:
+                file = self.path / OFFSET_FILES[split]
+                offsets = np.fromfile(file, dtype=OFFSET_DTYPE).astype(np.int64)
+                check_offsets(str(file), offsets, self.num_tokens[split])
+            else:
+                offsets = offsets_from_eos(self._tokens(split), self.eos_id)
+            self._offsets[split] = offsets
+        return self._offsets[split]
 
     def _tokens(self, split: str) -> np.ndarray:
         if split not in self._arrays:
