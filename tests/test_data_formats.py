@@ -52,37 +52,45 @@ def documents(ds: TokenFileDataset, split: str) -> list[bytes]:
 # --------------------------------------------------------------------------- prepare
 
 
-def test_every_input_format_gives_the_same_tokens(tmp_path: Path) -> None:
-    import datasets
+def prepared_documents(tmp_path: Path, name: str) -> tuple[list[bytes], list[bytes]]:
+    """Prepare one input; check the report and the document index; its (train, val) documents."""
+    meta = prep.prepare([str(tmp_path / name)], str(tmp_path / f"out-{name}"), val_fraction=0.2, append_eos=True)
+    ds = TokenFileDataset(str(tmp_path / f"out-{name}"))
+    got = (documents(ds, "train"), documents(ds, "val"))
+    # Document boundaries are kept: the index cuts exactly the input documents.
+    assert sorted(got[0] + got[1]) == sorted(d.encode() for d in DOCS), name
+    (source,) = meta["sources"]
+    assert source["documents"] == len(DOCS) and source["tokens"] == sum(ds.num_tokens.values())
+    assert source["bytes"] == sum(len(d.encode()) for d in DOCS)
+    return got
+
+
+def test_jsonl_gz_zst_and_parquet_give_the_same_tokens(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
 
-    plain = write_jsonl(tmp_path / "a.jsonl", DOCS)
-    body = plain.read_bytes()
+    body = write_jsonl(tmp_path / "a.jsonl", DOCS).read_bytes()
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(body))
     (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
     pq.write_table(pa.table({"text": DOCS, "n": list(range(len(DOCS)))}), tmp_path / "a.parquet", row_group_size=7)
+    reference = prepared_documents(tmp_path, "a.jsonl")
+    for name in ("a.jsonl.gz", "a.jsonl.zst", "a.parquet"):
+        assert prepared_documents(tmp_path, name) == reference, name
+
+
+def test_datasets_save_to_disk_directories(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets", reason="the `datasets` package (extra `data`, in `dev`) reads its "
+                                                      "own save_to_disk format")
+    write_jsonl(tmp_path / "a.jsonl", DOCS)
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "hf"))
+    # a DatasetDict: its splits in name order (train, then validation: DOCS' order here)
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:30]}),
                           "validation": datasets.Dataset.from_dict({"text": DOCS[30:]})}).save_to_disk(
         str(tmp_path / "hfdict"))
-
-    reference = None
-    for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet", "hf", "hfdict"):
-        meta = prep.prepare([str(tmp_path / name)], str(tmp_path / f"out-{name}"), val_fraction=0.2,
-                            append_eos=True)
-        ds = TokenFileDataset(str(tmp_path / f"out-{name}"))
-        got = (documents(ds, "train"), documents(ds, "val"))
-        # Document boundaries are kept: the index cuts exactly the input documents.
-        assert sorted(got[0] + got[1]) == sorted(d.encode() for d in DOCS), name
-        (source,) = meta["sources"]
-        assert source["documents"] == len(DOCS) and source["tokens"] == sum(ds.num_tokens.values())
-        assert source["bytes"] == sum(len(d.encode()) for d in DOCS)
-        if name == "hfdict":  # splits in name order: train then validation, which is DOCS' order
-            assert got == reference, name
-        reference = reference or got
-        assert got == reference, name
+    reference = prepared_documents(tmp_path, "a.jsonl")
+    assert prepared_documents(tmp_path, "hf") == reference
+    assert prepared_documents(tmp_path, "hfdict") == reference
 
 
 def test_workers_write_the_same_bytes_and_the_report(tmp_path: Path, bpe_tokenizer: Path,

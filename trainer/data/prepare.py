@@ -336,7 +336,8 @@ class _HFEncoder:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # Offsets are not needed; the "fast" variant skips computing them.
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encode(texts, add_special_tokens=False)]
+        # uint32: half the bytes of int64 to send back from a worker process, and any vocabulary fits.
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
 
 def _make_encoder(tokenizer: str, append_eos: bool, eos_token: str | None) -> _Encoder:
@@ -473,7 +474,7 @@ def _input_size(path: Path) -> int:
 def _encode_all(pieces: Iterable[_Piece], encode: Any, writer: _SplitWriter, val_fraction: float, eos_id: int | None,
                 stats: list[_SourceStats], progress: _Progress, workers: int) -> None:
     """Encode every piece (in worker processes when ``workers`` > 1, in input order either way) and write."""
-    eos = None if eos_id is None else np.array([eos_id], dtype=np.int64)
+    eos = None if eos_id is None else np.array([eos_id], dtype=np.uint32)
     last_doc = -1
 
     def handle(batch: list[_Piece], result: tuple[list[np.ndarray], list[int]]) -> None:
