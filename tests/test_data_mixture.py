@@ -280,3 +280,30 @@ def test_megatron_and_nanogpt_files_train_like_our_format(tmp_path: Path) -> Non
         assert losses(other) == losses(reference)
         assert [r["val_loss"] for r in other if r.get("val_loss")] == [r["val_loss"] for r in reference
                                                                         if r.get("val_loss")]
+
+
+@pytest.mark.slow
+def test_mixture_on_2_ddp_processes_matches_one_process_and_resumes_its_checkpoint(tmp_path: Path) -> None:
+    """One 2-process launch: the mixture trained with ddp gives the single-process losses, and a ddp run
+    resumed from a single-process checkpoint (another data-parallel size) continues them."""
+    from tests.test_strategies import launch_harness
+
+    a, b = token_dir(tmp_path, "a", docs=80), token_dir(tmp_path, "b", docs=80, seed=1)
+    mix = ["data=mixture", f"data.sources=[{{path: {a}, weight: 0.6}}, {{path: {b}, weight: 0.4, name: bee}}]",
+           "data.schedule=[{step: 2, weights: {a: 0.1, bee: 0.9}}]", "trainer.max_steps=5",
+           "trainer.micro_batch_size=1"]
+    single = losses(run(tmp_path / "single", *mix, "callbacks=none"))
+    stop = ["callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=3",
+            "+callbacks.stop._target_=tests.test_checkpoint.StopAfterSteps", "+callbacks.stop.steps=3"]
+    run(tmp_path / "first", *mix, *stop)
+    ddp = MODEL + LOOP + mix + ["strategy=ddp", "trainer.devices=2", "callbacks=none"]
+    launch_harness(tmp_path / "launch", 2, [
+        {"name": "straight", "overrides": ddp},
+        {"name": "resumed", "overrides": ddp + [f"resume={tmp_path / 'first' / 'checkpoints'}"]},
+    ])
+    for name, steps in (("straight", range(1, 6)), ("resumed", range(4, 6))):
+        with open(tmp_path / "launch" / "np2" / name / "metrics.csv") as f:
+            got = losses(list(csv.DictReader(f)))
+        assert sorted(got) == list(steps), name
+        for step in steps:  # the same samples; only the gradient reduction's float order differs
+            assert got[step] == pytest.approx(single[step], rel=1e-5), (name, step)
