@@ -291,3 +291,51 @@ def test_nanogpt_bins(tmp_path: Path) -> None:
     (tmp_path / "odd" / "train.bin").write_bytes(b"\0\0\0")
     with pytest.raises(ValueError, match="not a whole number of uint16 tokens"):
         open_source(str(tmp_path / "odd"))
+
+
+@pytest.mark.parametrize("val_fraction", [0.2, 0.5])
+def test_shards_read_as_one_split(tmp_path: Path, val_fraction: float) -> None:
+    from trainer.data import TokenWindows
+    from trainer.data.token_file import ShardedTokens
+
+    src = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    one = prep.prepare([str(src)], str(tmp_path / "one"), val_fraction=val_fraction, append_eos=True)
+    assert "shards" not in one
+    meta = prep.prepare([str(src)], str(tmp_path / "many"), val_fraction=val_fraction, append_eos=True,
+                        shard_tokens=300)
+    files = meta["shards"]["train"]
+    assert len(files) > 3 and all(f["tokens"] <= 300 for f in files) and files[0]["file"] == "train-00000.bin"
+    whole, sharded = TokenFileDataset(str(tmp_path / "one")), TokenFileDataset(str(tmp_path / "many"))
+    assert isinstance(sharded.train_tokens(), ShardedTokens)
+    for split in ("train", "val"):
+        a = np.asarray(whole.train_tokens() if split == "train" else whole.val_tokens())
+        b = np.asarray(sharded.train_tokens() if split == "train" else sharded.val_tokens())
+        assert np.array_equal(a, b) and np.array_equal(whole.doc_offsets(split), sharded.doc_offsets(split))
+    # windows that cross shard files gather from both
+    w1, w2 = TokenWindows(whole.train_tokens(), 64), TokenWindows(sharded.train_tokens(), 64)
+    idx = np.arange(len(w1))[::-1]
+    assert all(torch_equal(x, y) for x, y in zip(w1.get_batch(idx), w2.get_batch(idx)))
+    assert sharded.train_tokens()[5] == whole.train_tokens()[5]
+    assert np.array_equal(sharded.train_tokens()[290:310], whole.train_tokens()[290:310])
+    # a shard file that does not match meta.json is refused, naming it
+    with open(tmp_path / "many" / "train-00001.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match="train-00001.bin: size is 602 bytes but meta.json says 300"):
+        TokenFileDataset(str(tmp_path / "many"))
+
+
+def test_token_tail_split_over_shards(tmp_path: Path) -> None:
+    text = tmp_path / "one.txt"
+    text.write_text("z" * 1000)
+    prep.prepare([str(text)], str(tmp_path / "s"), val_fraction=0.25, shard_tokens=300)
+    ds = TokenFileDataset(str(tmp_path / "s"))
+    assert ds.meta["split"] == "token_tail" and ds.num_tokens == {"train": 750, "val": 250}
+    assert [n for _, n in ds.shards["train"]] == [300, 300, 150] and [n for _, n in ds.shards["val"]] == [150, 100]
+    assert bytes(np.asarray(ds.train_tokens()).astype(np.uint8)) + bytes(np.asarray(ds.val_tokens()).astype(
+        np.uint8)) == b"z" * 1000
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))  # type: ignore[arg-type]

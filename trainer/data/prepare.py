@@ -4,7 +4,8 @@ Usage::
 
     python -m trainer.data.prepare INPUT [INPUT ...] --output DIR
         [--tokenizer PATH_TO_tokenizer.json | bytes] [--val-fraction 0.01]
-        [--text-key text] [--append-eos] [--eos-token TOKEN] [--workers N] [--no-progress]
+        [--text-key text] [--append-eos] [--eos-token TOKEN] [--workers N] [--shard-tokens N]
+        [--progress | --no-progress]
 
 * Inputs: ``*.jsonl``, ``*.jsonl.gz`` and ``*.jsonl.zst`` hold one document per line (the string under
   ``--text-key``, alias ``--jsonl-key``); ``*.parquet`` one per row of the ``--text-key`` column
@@ -15,6 +16,8 @@ Usage::
   order, so the output is byte-identical to one worker's); a progress bar on stderr (a terminal only,
   or ``--progress``) shows the input read, tokens/s and the ETA. At the end one report line per input
   (documents, tokens, bytes per token) and a summary line are printed.
+* ``--shard-tokens N`` writes each split as shard files of at most N tokens (``train-00000.bin``, ...,
+  listed in ``meta.json``), which the reader maps as one array; documents may cross shard files.
 * Every split also gets a document index (``train.offsets.bin``: each document's first token, then the
   token count), so document boundaries survive without an EOS token.
 * Documents go to validation iff a stable hash of their index (counted over
@@ -397,22 +400,37 @@ class _SourceStats:
                 "bytes_per_token": round(self.bytes / self.tokens, 4) if self.tokens else None}
 
 
+def _shard_name(split: str, index: int, sharded: bool) -> str:
+    return f"{split}-{index:05d}.bin" if sharded else SPLIT_FILES[split]
+
+
 @dataclass
 class _SplitWriter:
-    """Appends token arrays to ``train.bin``/``val.bin``, document starts to the offsets files, and
-    counts what it wrote."""
+    """Appends token arrays to each split's file (or, with ``shard_tokens``, to shard files of at most that
+    many tokens), document starts to the offsets files, and counts what it wrote."""
 
     out: Path
     dtype: np.dtype
+    shard_tokens: int = 0
     files: dict[str, BinaryIO] = field(default_factory=dict)
     offset_files: dict[str, BinaryIO] = field(default_factory=dict)
+    shards: dict[str, list[list[Any]]] = field(default_factory=dict)  # split -> [[file name, tokens], ...]
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLIT_FILES, 0))
     docs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLIT_FILES, 0))
 
     def __enter__(self) -> _SplitWriter:
-        self.files = {s: open(self.out / name, "wb") for s, name in SPLIT_FILES.items()}
+        for split in SPLIT_FILES:
+            self.shards[split] = []
+            self._next_shard(split)
         self.offset_files = {s: open(self.out / name, "wb") for s, name in OFFSET_FILES.items()}
         return self
+
+    def _next_shard(self, split: str) -> None:
+        if split in self.files:
+            self.files[split].close()
+        name = _shard_name(split, len(self.shards[split]), self.shard_tokens > 0)
+        self.files[split] = open(self.out / name, "wb")
+        self.shards[split].append([name, 0])
 
     def __exit__(self, *exc: object) -> None:
         for f in [*self.files.values(), *self.offset_files.values()]:
@@ -424,7 +442,16 @@ class _SplitWriter:
         if not parts:
             return
         arr = np.concatenate(parts).astype(self.dtype, copy=False)
-        self.files[split].write(arr.tobytes())
+        pos = 0
+        while pos < arr.size:
+            current = self.shards[split][-1]
+            if self.shard_tokens and current[1] == self.shard_tokens:
+                self._next_shard(split)
+                current = self.shards[split][-1]
+            take = arr.size - pos if not self.shard_tokens else min(self.shard_tokens - current[1], arr.size - pos)
+            self.files[split].write(arr[pos:pos + take].tobytes())
+            current[1] += take
+            pos += take
         self.tokens[split] += int(arr.size)
 
     def finish(self) -> None:
@@ -517,24 +544,53 @@ def _encode_all(pieces: Iterable[_Piece], encode: Any, writer: _SplitWriter, val
         handle(done, pending.get())
 
 
-def _split_by_token_tail(out: Path, dtype: np.dtype, counts: dict[str, int], val_fraction: float) -> None:
-    """Fallback when hashing put every document on one side: cut val off the end (documents and the
-    index too: the cut document continues as val's first)."""
-    train_file, val_file = (out / SPLIT_FILES[s] for s in ("train", "val"))
+def _split_by_token_tail(out: Path, dtype: np.dtype, writer: _SplitWriter, val_fraction: float) -> None:
+    """Fallback when hashing put every document on one side: cut val off the end of the tokens (the
+    index too: the cut document continues as val's first). Whole trailing shard files move to val."""
+    sharded = writer.shard_tokens > 0
+    counts, shards = writer.tokens, writer.shards
     train_idx, val_idx = (out / OFFSET_FILES[s] for s in ("train", "val"))
-    if counts["train"] == 0:
-        os.replace(val_file, train_file)
+    if counts["train"] == 0:  # everything went to val: it becomes train
+        for name, _ in shards["train"]:
+            (out / name).unlink()
+        shards["train"] = []
+        for i, (name, n) in enumerate(shards["val"]):
+            new = _shard_name("train", i, sharded)
+            os.replace(out / name, out / new)
+            shards["train"].append([new, n])
+        shards["val"] = []
         os.replace(val_idx, train_idx)
-        val_file.touch()
-    total = counts["train"] + counts["val"]
+        counts["train"], counts["val"] = counts["val"], 0
+    else:
+        for name, _ in shards["val"]:
+            (out / name).unlink()
+        shards["val"] = []
+    total = counts["train"]
     n_val = min(total - 1, max(1, round(total * val_fraction)))
     keep = total - n_val
-    keep_bytes = keep * dtype.itemsize
-    with open(train_file, "r+b") as f:
-        f.seek(keep_bytes)
-        tail = f.read()
-        f.truncate(keep_bytes)
-    val_file.write_bytes(tail)
+    kept: list[list[Any]] = []
+    moved: list[tuple[Path, int]] = []  # (file, tokens) in order, becoming val's files
+    start = 0
+    for name, n in shards["train"]:
+        if start + n <= keep:
+            kept.append([name, n])
+        elif start >= keep:
+            moved.append((out / name, n))
+        else:  # the shard holding the cut: its tail goes into a file of its own
+            cut = keep - start
+            with open(out / name, "r+b") as f:
+                f.seek(cut * dtype.itemsize)
+                tail = f.read()
+                f.truncate(cut * dtype.itemsize)
+            (out / "tail.tmp").write_bytes(tail)
+            kept.append([name, cut])
+            moved.append((out / "tail.tmp", n - cut))
+        start += n
+    shards["train"] = kept
+    for i, (file, n) in enumerate(moved):
+        new = _shard_name("val", i, sharded)
+        os.replace(file, out / new)
+        shards["val"].append([new, n])
     starts = np.fromfile(train_idx, dtype=OFFSET_DTYPE)[:-1].astype(np.int64)
     train_starts = starts[starts < keep]
     val_starts = np.concatenate([[0], starts[starts > keep] - keep])
@@ -578,6 +634,7 @@ def prepare(
     eos_token: str | None = None,
     workers: int = 1,
     progress: bool = False,
+    shard_tokens: int = 0,
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into the dataset directory ``output``; return its meta.
 
@@ -591,12 +648,15 @@ def prepare(
         eos_token: that token's string (default: common names are tried).
         workers: tokenizing processes (1: this process).
         progress: show a progress bar on stderr.
+        shard_tokens: write each split as files of at most this many tokens (0: one file per split).
 
     Raises:
         PrepareError: on bad input (the message is a single line).
     """
     out = Path(output)
     paths = _check_inputs(inputs, out, val_fraction, workers)
+    if shard_tokens < 0:
+        raise PrepareError(f"--shard-tokens must be >= 0, got {shard_tokens}")
     encoder = _make_encoder(tokenizer, append_eos, eos_token)
     out.mkdir(parents=True, exist_ok=True)
     work = out / _PARTIAL  # everything is written here and moved into place at the end
@@ -615,19 +675,29 @@ def prepare(
             encode: Any = lambda texts: pool.apply_async(_encode_in_worker, (texts,))  # noqa: E731
         else:
             encode = lambda texts: _encode_texts(encoder, texts)  # noqa: E731
-        with _SplitWriter(work, dtype) as writer:
+        with _SplitWriter(work, dtype, shard_tokens) as writer:
             _encode_all(_iter_pieces(paths, jsonl_key), encode, writer, val_fraction, encoder.eos_id, stats, bar,
                         workers)
             writer.finish()
-        counts, docs = dict(writer.tokens), dict(writer.docs)
-        total = counts["train"] + counts["val"]
+        docs = dict(writer.docs)
+        total = writer.tokens["train"] + writer.tokens["val"]
         if total == 0:
             raise PrepareError("no tokens produced: all inputs are empty")
         split_mode = "document_hash"
-        if val_fraction > 0 and min(counts.values()) == 0 and total >= 2:
-            _split_by_token_tail(work, dtype, counts, val_fraction)
+        if val_fraction > 0 and min(writer.tokens.values()) == 0 and total >= 2:
+            _split_by_token_tail(work, dtype, writer, val_fraction)
             split_mode = "token_tail"
             docs = {"train": docs["train"] + docs["val"], "val": 0}
+        counts = dict(writer.tokens)
+        for split in SPLIT_FILES:  # no empty files, but every split keeps one (val may be empty)
+            for name, n in writer.shards[split]:
+                if n == 0:
+                    (work / name).unlink(missing_ok=True)
+            writer.shards[split] = [sh for sh in writer.shards[split] if sh[1] > 0]
+            if not writer.shards[split]:
+                name = _shard_name(split, 0, shard_tokens > 0)
+                (work / name).touch()
+                writer.shards[split] = [[name, 0]]
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)  # a dataset already in `out` is left as it was
         raise
@@ -637,7 +707,9 @@ def prepare(
             pool.terminate()
             pool.join()
     (out / META_FILE).unlink(missing_ok=True)  # a stale meta must not bless the files being replaced
-    for name in [*SPLIT_FILES.values(), *OFFSET_FILES.values()]:
+    for stale in [*out.glob("train-*.bin"), *out.glob("val-*.bin")]:  # shards of an earlier dataset
+        stale.unlink()
+    for name in [*(n for split in SPLIT_FILES for n, _ in writer.shards[split]), *OFFSET_FILES.values()]:
         os.replace(work / name, out / name)
     shutil.rmtree(work, ignore_errors=True)
     if isinstance(encoder, _HFEncoder):
@@ -658,6 +730,9 @@ def prepare(
         "val_fraction": val_fraction,
         "sources": [s.as_dict() for s in stats],
     }
+    if shard_tokens:
+        meta["shards"] = {split: [{"file": name, "tokens": n} for name, n in writer.shards[split]]
+                          for split in SPLIT_FILES}
     _write_meta(out, meta)
     return meta
 
@@ -700,6 +775,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--append-eos", action="store_true", help="append an end-of-document token to each document")
     p.add_argument("--eos-token", default=None, help="EOS token string (default: common names are tried)")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    p.add_argument("--shard-tokens", type=int, default=0, metavar="N",
+                   help="write each split as shard files of at most N tokens (default 0: one file per split)")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None,
                      help="show the progress bar even when stderr is not a terminal")
@@ -720,6 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             append_eos=args.append_eos,
             eos_token=args.eos_token,
             workers=args.workers,
+            shard_tokens=args.shard_tokens,
             progress=sys.stderr.isatty() if args.progress is None else args.progress,
         )
     except PrepareError as e:
