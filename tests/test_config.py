@@ -28,7 +28,7 @@ def token_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = tmp_path_factory.mktemp("text") / "corpus.txt"
     source.write_text("def f(x):\n    return x + 1\n" * 200)
     out = tmp_path_factory.mktemp("tokens")
-    prepare([str(source)], str(out), tokenizer="bytes")
+    prepare([str(source)], str(out), tokenizer="bytes", val_fraction=0.1)  # val: 2 windows of 257
     return out
 
 
@@ -52,7 +52,7 @@ def data_sources(option: str, token_dir: Path, tmp_path: Path) -> list[str]:
         return [f"data.sources=[{{path: {token_dir}, weight: 1}}]"]
     if option == "megatron":
         train = np.asarray(ds.train_tokens())
-        write_megatron(tmp_path / "mt", [train[:100], train[100:]])
+        write_megatron(tmp_path / "mt", [train[:2000], train[2000:]])
         return [f"data.path={tmp_path / 'mt'}", "data.vocab_size=256", "data.val_fraction=0.5"]
     if option == "nanogpt":
         np.asarray(ds.train_tokens()).tofile(tmp_path / "train.bin")

@@ -201,6 +201,16 @@ def test_bad_data_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path,
     err = preflight_error(capsys, "data=megatron", f"data.path={tmp_path / 'bad'}", "data.vocab_size=257",
                           "model.vocab_size=300")
     assert err.startswith(f"error: data: {tmp_path / 'bad.idx'}: malformed index")
+    err = preflight_error(capsys, *mix, sources(f"{{path: {a}}}", f"{{path: {tmp_path / 'bad'}, vocab_size: 257, "
+                                                 "val_fraction: 0}"))
+    assert err.startswith("error: data.sources[1]: ") and "malformed index" in err
+    from trainer.data.formats import write_megatron
+
+    write_megatron(tmp_path / "mt", [np.arange(200) % 256, np.arange(300) % 256])
+    err = preflight_error(capsys, *mix, sources(f"{{path: {a}}}", f"{{path: {tmp_path / 'mt'}, vocab_size: 257, "
+                                                 "eos_id: 256, val_fraction: 0}"))
+    assert err == ("error: data.sources[1]: the validation split of 'mt' has 0 tokens, fewer than one window of "
+                   "trainer.seq_len + 1 = 257")
     err = preflight_error(capsys, "data=token_file", f"data.path={tmp_path / 'nothing'}")
     assert err == f"error: data: token dataset directory not found: {tmp_path / 'nothing'}"
 

@@ -316,7 +316,7 @@ def _validate_data(cfg: DictConfig) -> None:
     from trainer.data import DataSourceError, check_data
 
     try:
-        check_data(cfg.data, int(cfg.model.vocab_size))
+        check_data(cfg.data, int(cfg.model.vocab_size), int(cfg.trainer.seq_len))
     except DataSourceError as error:
         raise ConfigError(error.key, error.message) from None
 

@@ -40,7 +40,7 @@ def build_loaders(source: Any, seq_len: int, global_batch_size: int, micro_batch
     return loader, val
 
 
-def check_data(data_cfg: Any, model_vocab_size: int) -> None:
+def check_data(data_cfg: Any, model_vocab_size: int, seq_len: int | None = None) -> None:
     """Open the configured token source (headers and indexes only, nothing is read in bulk) and check it
     against the model, before any process starts.
 
@@ -71,3 +71,12 @@ def check_data(data_cfg: Any, model_vocab_size: int) -> None:
     if source.vocab_size > model_vocab_size:
         raise DataSourceError("data", f"the data has {source.vocab_size} token ids but model.vocab_size is "
                                       f"{model_vocab_size}: pick a model whose vocabulary covers the data")
+    if seq_len is None:
+        return
+    named = (list(zip(source.names, source.sources, [f"data.sources[{i}]" for i in range(len(source.names))]))
+             if isinstance(source, MixtureData) else [("data", source, "data")])
+    for name, one, key in named:
+        for split, tokens in (("train", one.train_tokens()), ("validation", one.val_tokens())):
+            if len(tokens) < seq_len + 1:
+                raise DataSourceError(key, f"the {split} split of '{name}' has {len(tokens)} tokens, fewer than "
+                                           f"one window of trainer.seq_len + 1 = {seq_len + 1}")
