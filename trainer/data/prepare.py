@@ -481,10 +481,13 @@ class _Progress:
         start = int(self.ends[source - 1]) if source else 0
         # Within a file: text bytes read, capped at its size on disk (compressed or JSON sizes differ).
         self.done = min(max(self.done, start) + nbytes, int(self.ends[source]))
+
+    def flush(self) -> None:
+        """Show what was counted (once per batch: formatting the rate per document would cost)."""
         if self.bar is not None:
-            self.bar.update(self.done - self.bar.n)
             rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
             self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+            self.bar.update(self.done - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -528,6 +531,7 @@ def _encode_all(pieces: Iterable[_Piece], encode: Any, writer: _SplitWriter, val
             progress.update(piece.source, nbytes, n)
         for split in SPLIT_FILES:
             writer.write(split, parts[split], starts[split])
+        progress.flush()
 
     if workers <= 1:
         for batch in _batched(pieces):
