@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -27,7 +28,7 @@ def token_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = tmp_path_factory.mktemp("text") / "corpus.txt"
     source.write_text("def f(x):\n    return x + 1\n" * 200)
     out = tmp_path_factory.mktemp("tokens")
-    prepare([str(source)], str(out), tokenizer="bytes")
+    prepare([str(source)], str(out), tokenizer="bytes", val_fraction=0.1)  # val: 2 windows of 257
     return out
 
 
@@ -37,6 +38,27 @@ OPTION_NEEDS = {
     ("strategy", "pp"): ["pp=2", "trainer.devices=2"],
     ("strategy", "3d"): ["tp=2", "pp=2", "trainer.devices=4"],
 }
+
+
+def data_sources(option: str, token_dir: Path, tmp_path: Path) -> list[str]:
+    """What each data option reads: the prepared tokens, also as Megatron and nanoGPT files."""
+    from trainer.data import TokenFileDataset
+    from trainer.data.formats import write_megatron
+
+    ds = TokenFileDataset(str(token_dir))
+    if option == "token_file":
+        return [f"data.path={token_dir}"]
+    if option == "mixture":
+        return [f"data.sources=[{{path: {token_dir}, weight: 1}}]"]
+    if option == "megatron":
+        train = np.asarray(ds.train_tokens())
+        write_megatron(tmp_path / "mt", [train[:2000], train[2000:]])
+        return [f"data.path={tmp_path / 'mt'}", "data.vocab_size=256", "data.val_fraction=0.5"]
+    if option == "nanogpt":
+        np.asarray(ds.train_tokens()).tofile(tmp_path / "train.bin")
+        np.asarray(ds.val_tokens()).tofile(tmp_path / "val.bin")
+        return [f"data.path={tmp_path}", "data.vocab_size=256"]
+    return []
 
 
 def all_options() -> list[tuple[str, str]]:
@@ -52,8 +74,8 @@ def test_every_group_has_options() -> None:
 def test_every_option_composes_and_instantiates(group: str, option: str, token_dir: Path,
                                                 tmp_path: Path) -> None:
     overrides = [f"{group}={option}"] + OPTION_NEEDS.get((group, option), [])
-    if (group, option) == ("data", "token_file"):
-        overrides.append(f"data.path={token_dir}")
+    if group == "data":
+        overrides += data_sources(option, token_dir, tmp_path)
     cfg = compose(overrides)
     node = cfg[group]
     if group == "model":
@@ -65,7 +87,8 @@ def test_every_option_composes_and_instantiates(group: str, option: str, token_d
     validate(cfg)
     if group == "data":
         source = instantiate(node)
-        assert len(source.train_tokens()) > 0 and len(source.val_tokens()) > 0
+        for one in getattr(source, "sources", [source]):  # a mixture's sources
+            assert len(one.train_tokens()) > 0 and len(one.val_tokens()) > 0
     elif group == "optimizer":
         optimizer = optimizer_from_config(node, [torch.nn.Linear(4, 4)])
         assert optimizer.param_groups[0]["lr"] == node.lr

@@ -171,7 +171,11 @@ def test_prepare_bpe_round_trip(tmp_path: Path, bpe_tokenizer: Path) -> None:
     res = run_prepare(text_file, jsonl, "--output", out, "--tokenizer", bpe_tokenizer,
                       "--val-fraction", "0.5", "--append-eos")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("\n") == 1 and res.stdout.startswith(f"prepared {out}")
+    # One report line per input (documents, tokens, bytes per token), then the summary.
+    lines = res.stdout.splitlines()
+    assert len(lines) == 3 and lines[-1].startswith(f"prepared {out}"), res.stdout
+    assert lines[0].startswith(f"  {text_file}: 1 documents, ") and "bytes/token" in lines[0]
+    assert lines[1].startswith(f"  {jsonl}: {len(DOCS) - 1} documents, ")
 
     ds = TokenFileDataset(str(out))
     tok = Tokenizer.from_file(str(bpe_tokenizer))

@@ -16,8 +16,9 @@ import pytest
 from trainer.config import compose, validate
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-# Arguments that name things only the reader has (paths of earlier runs, elided options).
-PLACEHOLDER = re.compile(r"^(resume|init_from)=|^\.\.\.$|^hydra[./]|^--cfg$|^job$|^-m$")
+# Arguments that name things only the reader has (paths of earlier runs, data files, elided options); a
+# command's data sources are opened by tests/test_readme_runs.py, which makes them.
+PLACEHOLDER = re.compile(r"^(resume|init_from)=|^\.\.\.$|^hydra[./]|^--cfg$|^job$|^-m$|^data[.=]")
 
 
 def readme_commands() -> list[str]:

@@ -95,6 +95,13 @@ ELSEWHERE = {
     "strategy=fsdp trainer.devices=8 trainer.num_nodes=4 trainer.global_batch_size=256":
         ("tests/test_launch.py::test_torchrun_workers_join_and_share_one_run_dir",
          ['"torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer"']),
+    # Megatron .bin/.idx and nanoGPT train.bin written by that test, trained against the same tokens in our format
+    "python -m trainer data=megatron data.path=corpus/my_text_document data.vocab_size=50257 data.eos_id=50256 "
+    "model=gpt2_small":
+        ("tests/test_data_mixture.py::test_megatron_and_nanogpt_files_train_like_our_format",
+         ['"data=megatron"', "data.vocab_size=", "data.eos_id="]),
+    "python -m trainer data=nanogpt data.path=nanoGPT/data/openwebtext model=gpt2_small":
+        ("tests/test_data_mixture.py::test_megatron_and_nanogpt_files_train_like_our_format", ['"data=nanogpt"']),
     # no SLURM here: the README's local twin, submitit's local executor, each job in its own process
     "python -m trainer -m hydra/launcher=slurm ...":
         ("tests/test_sweep.py::test_optuna_sweeper_on_the_submitit_local_launcher", ['"hydra/launcher=local"']),
@@ -233,7 +240,10 @@ def model_family(args: list[str]) -> str:
 
 
 def tiny(args: list[str]) -> list[str]:
-    return TINY_MODEL[model_family(args)] + TINY_RUN
+    run = TINY_RUN
+    if value_of(args, "data") not in (None, "stdlib"):  # data.max_bytes is the stdlib corpus's option
+        run = [arg for arg in run if not arg.startswith("data.")]
+    return TINY_MODEL[model_family(args)] + run
 
 
 def plan_of(command: Command, quick_start: bool = False) -> Plan:
@@ -456,6 +466,9 @@ class Runner:
                 inputs.append(str(path.relative_to(self.cwd)))
             placeholders = {"INPUT...": inputs, "DIR": ["tokens"], "[--tokenizer": ["--tokenizer"],
                             "tokenizer.json": [], "|": [], "bytes]": ["bytes"]}
+            for arg in args:  # a named input file: README paragraphs as its documents, in its format
+                if not arg.startswith("-") and not (self.cwd / arg).exists() and arg.endswith((".jsonl.gz", ".parquet")):
+                    write_documents(self.cwd / arg, text_key(args) or "text")
             return [part for arg in args for part in placeholders.get(arg, [arg])]
         if module == "trainer.plot":  # [RUN_DIR ...]: a second run, overlaid
             return [part for arg in args for part in ({"[RUN_DIR": ["runs/first"], "...]": []}.get(arg, [arg]))]
@@ -475,6 +488,24 @@ class Runner:
             self.outcomes[text].code = 0
             self.outcomes[text].out = log
             self.record(self.outcomes[text])
+
+
+def text_key(args: list[str]) -> str | None:
+    return args[args.index("--text-key") + 1] if "--text-key" in args else None
+
+
+def write_documents(path: Path, key: str) -> None:
+    """The README's paragraphs (a few hundred documents) as a .jsonl.gz or a .parquet file."""
+    import gzip
+
+    docs = [p for p in README.read_text().split("\n\n") if p.strip()] * 2
+    if path.name.endswith(".jsonl.gz"):
+        path.write_bytes(gzip.compress("".join(json.dumps({key: d}) + "\n" for d in docs).encode()))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({key: docs}), path)
 
 
 @pytest.fixture(scope="module")
@@ -623,6 +654,10 @@ def check_tool(module: str, outcome: Outcome) -> None:
     elif module == "trainer.checkpoint.hf":
         assert {"config.json", "model.safetensors"} <= {p.name for p in (cwd / printed).iterdir()}, detail
     elif module == "trainer.data.prepare":
-        assert {"train.bin", "val.bin", "meta.json"} <= {p.name for p in (cwd / "tokens").iterdir()}, detail
+        output = outcome.plan.args[outcome.plan.args.index("--output") + 1]
+        output = "tokens" if output == "DIR" else output
+        assert {"train.bin", "val.bin", "train.offsets.bin", "val.offsets.bin", "meta.json"} <= {
+            p.name for p in (cwd / output).iterdir()}, detail
+        assert " bytes/token" in outcome.out, detail  # the per-input report
     else:
         raise AssertionError(f"no check for {module}")

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from trainer.callback import Callback
 from trainer.config.schema import TrainerConfig
+from trainer.data.loader import SourceValidation
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
@@ -39,7 +40,7 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         train_loader: Iterator[MicroBatches],
-        val_set: MicroBatches,
+        val_set: MicroBatches | SourceValidation,
         total_steps: int,
         tokens_per_step: int,
         num_params: int,
@@ -201,9 +202,16 @@ class Trainer:
         self._call("on_train_batch_end", outputs)
 
     def validate(self) -> float:
-        val_loss = self.strategy.evaluate(self.model_parts, self.strategy.local_batches(self.val_set))
+        per_source: dict[str, float] = {}
+        if isinstance(self.val_set, SourceValidation):  # a mixture: each source, and their weighted mean
+            for name, batches in self.val_set.sets.items():
+                per_source[f"val_loss/{name}"] = self.strategy.evaluate(self.model_parts,
+                                                                        self.strategy.local_batches(batches))
+            val_loss = sum(self.val_set.weights[key.split("/", 1)[1]] * loss for key, loss in per_source.items())
+        else:
+            val_loss = self.strategy.evaluate(self.model_parts, self.strategy.local_batches(self.val_set))
         self.val_history.append((self.step, val_loss))
-        self.log({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))})
+        self.log({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), **per_source})
         self._call("on_validation_end")
         return val_loss
 

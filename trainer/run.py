@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import resume
 from trainer.config import ConfigError, tokens_per_step, total_steps, validate
-from trainer.data import StatefulLoader, TokenWindows, val_batches
+from trainer.data import build_loaders
 from trainer.hardware import peak_flops, reset_peak_memory
 from trainer.launch import agree_on_run_dir
 from trainer.loop import Trainer
@@ -33,20 +33,17 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
     return [instantiate(node)(run_dir=run_dir) for node in logger_cfgs.values()]
 
 
-def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> tuple[StatefulLoader, list]:
+def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> tuple[Any, Any]:
     source = instantiate(cfg.data)
     if source.vocab_size > vocab_size:
         raise ConfigError("data", f"the data has {source.vocab_size} token ids but model.vocab_size is "
                                   f"{vocab_size}: pick a model whose vocabulary covers the data")
     t = cfg.trainer
-    loader = StatefulLoader(TokenWindows(source.train_tokens(), t.seq_len), t.global_batch_size,
-                            t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed)
     # The validation set is val_batches global batches whatever the parallelism, so val losses of
-    # different strategies and world sizes are comparable; each rank evaluates its slice.
-    accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
-    val_set = val_batches(TokenWindows(source.val_tokens(), t.seq_len), t.val_batches * accumulation,
-                          t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    return loader, val_set
+    # different strategies and world sizes are comparable; each rank evaluates its slice (per source
+    # for a mixture).
+    return build_loaders(source, t.seq_len, t.global_batch_size, t.micro_batch_size, t.val_batches, t.seed,
+                         dp_rank=dp_rank, dp_size=dp_size)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:

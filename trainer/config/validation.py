@@ -332,6 +332,19 @@ def _validate_callbacks(cfg: DictConfig) -> None:
             raise ConfigError(f"callbacks.{name}", str(error).splitlines()[0]) from None
 
 
+def _validate_data(cfg: DictConfig) -> None:
+    """The token sources exist, their indexes are well formed, weights and vocabularies agree with each
+    other and with the model (trainer.data.check_data reads headers only). A plan reads no data."""
+    if cfg.mode == "plan":
+        return
+    from trainer.data import DataSourceError, check_data
+
+    try:
+        check_data(cfg.data, int(cfg.model.vocab_size), int(cfg.trainer.seq_len))
+    except DataSourceError as error:
+        raise ConfigError(error.key, error.message) from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first inconsistency of a composed config."""
     _validate_known_keys(cfg)
@@ -354,3 +367,4 @@ def validate(cfg: DictConfig) -> None:
     _validate_optimization(cfg)
     _validate_callbacks(cfg)
     _validate_resume(cfg)
+    _validate_data(cfg)

@@ -10,8 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.data.config import SCHEMAS, StdlibDataConfig, TokenFileDataConfig
-    from trainer.data.loader import StatefulLoader, TokenWindows, val_batches
+    from trainer.data.build import build_loaders
+    from trainer.data.config import (SCHEMAS, MegatronDataConfig, MixtureDataConfig, NanoGPTDataConfig,
+                                     StdlibDataConfig, TokenFileDataConfig)
+    from trainer.data.formats import MegatronIndexedDataset, NanoGPTDataset, open_source
+    from trainer.data.loader import SourceValidation, StatefulLoader, TokenWindows, val_batches
+    from trainer.data.mixture import DataSourceError, MixtureData, MixtureLoader
     from trainer.data.stdlib_corpus import StdlibCorpus
     from trainer.data.token_file import TokenFileDataset
 
@@ -24,6 +28,18 @@ __all__ = [
     "StdlibDataConfig",
     "TokenFileDataConfig",
     "SCHEMAS",
+    "MegatronDataConfig",
+    "NanoGPTDataConfig",
+    "MixtureDataConfig",
+    "MegatronIndexedDataset",
+    "NanoGPTDataset",
+    "open_source",
+    "SourceValidation",
+    "MixtureData",
+    "MixtureLoader",
+    "DataSourceError",
+    "build_loaders",
+    "check_data",
 ]
 
 _EXPORTS = {
@@ -35,6 +51,18 @@ _EXPORTS = {
     "StdlibDataConfig": "trainer.data.config",
     "TokenFileDataConfig": "trainer.data.config",
     "SCHEMAS": "trainer.data.config",
+    "MegatronDataConfig": "trainer.data.config",
+    "NanoGPTDataConfig": "trainer.data.config",
+    "MixtureDataConfig": "trainer.data.config",
+    "MegatronIndexedDataset": "trainer.data.formats",
+    "NanoGPTDataset": "trainer.data.formats",
+    "open_source": "trainer.data.formats",
+    "SourceValidation": "trainer.data.loader",
+    "MixtureData": "trainer.data.mixture",
+    "MixtureLoader": "trainer.data.mixture",
+    "DataSourceError": "trainer.data.mixture",
+    "build_loaders": "trainer.data.build",
+    "check_data": "trainer.data.build",
 }
 
 

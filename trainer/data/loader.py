@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["TokenWindows", "StatefulLoader", "val_batches", "Batch"]
+__all__ = ["TokenWindows", "StatefulLoader", "val_batches", "Batch", "SourceValidation"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """An ``(inputs, targets)`` pair of int64 tensors shaped ``[batch, seq_len]``."""
@@ -275,3 +275,33 @@ def val_batches(
     per_rank = batch * count
     start = dp_rank * per_rank
     return [_gather(windows, np.arange(i, i + batch)) for i in range(start, start + per_rank, batch)]
+
+
+class SourceValidation:
+    """Validation sets of a mixture, one per source, and the weights of the overall loss.
+
+    The loop evaluates each set (logged as ``val_loss/<name>``) and reports as ``val_loss`` their mean
+    weighted by the mixture's base weights: the loss of a validation mix in those proportions, without
+    evaluating any batch twice.
+
+    Args:
+        sets: this rank's validation micro-batches of each source, by name.
+        weights: each source's weight in the overall loss (normalized here).
+    """
+
+    def __init__(self, sets: Mapping[str, list[Batch]], weights: Mapping[str, float]) -> None:
+        if set(sets) != set(weights):
+            raise ValueError(f"validation sets {sorted(sets)} and weights {sorted(weights)} name different sources")
+        total = sum(weights.values())
+        if total <= 0:
+            raise ValueError("validation weights sum to 0")
+        self.sets = dict(sets)
+        self.weights = {name: w / total for name, w in weights.items()}
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sets.values())
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batches in self.sets.values():
+            yield from batches
+

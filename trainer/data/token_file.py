@@ -2,12 +2,21 @@
 
 A dataset directory holds::
 
-    train.bin   raw little-endian token ids
-    val.bin     raw little-endian token ids
-    meta.json   {"format_version": 1, "dtype": "uint16" | "uint32", "vocab_size": N,
-                 "tokenizer": str, "num_tokens": {"train": n, "val": m}, "eos_id": int | null}
+    train.bin          raw little-endian token ids
+    val.bin            raw little-endian token ids
+    train.offsets.bin  (format 2) little-endian uint64 start offset of every document, then num_tokens
+    val.offsets.bin    (format 2) the same for val.bin
+    meta.json          {"format_version": 2, "dtype": "uint16" | "uint32", "vocab_size": N,
+                        "tokenizer": str, "num_tokens": {"train": n, "val": m}, "eos_id": int | null,
+                        optional "shards": {"train": [{"file": "train-00000.bin", "tokens": k}, ...], "val": [...]}}
 
-The format constants live here so that the writer and the reader cannot drift.
+With ``shards`` (``prepare --shard-tokens``) a split is several files read as one concatenated array
+(``ShardedTokens``); documents may cross shard files, the split's offsets index is over the whole split.
+
+The offsets index keeps document boundaries without scanning for EOS (a corpus prepared without
+``--append-eos`` has none): document ``i`` of a split is ``tokens[offsets[i]:offsets[i + 1]]``. Format 1
+directories (no offsets files) are still read; their documents are found by EOS. The format constants
+live here so that the writer and the reader cannot drift.
 """
 
 from __future__ import annotations
@@ -18,11 +27,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenFileDataset", "FORMAT_VERSION", "META_FILE", "SPLIT_FILES", "dtype_for_vocab"]
+__all__ = ["TokenFileDataset", "ShardedTokens", "FORMAT_VERSION", "META_FILE", "SPLIT_FILES", "OFFSET_FILES", "OFFSET_DTYPE",
+           "dtype_for_vocab", "offsets_from_eos", "check_offsets"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this reader understands: 1 had no offsets index.
+_READABLE_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
+OFFSET_FILES = {"train": "train.offsets.bin", "val": "val.offsets.bin"}
+OFFSET_DTYPE = np.dtype("<u8")
 # Explicit little-endian so files are portable across hosts.
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -30,6 +44,79 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 def dtype_for_vocab(vocab_size: int) -> str:
     """Name of the smallest supported dtype for ``vocab_size`` (``uint16`` up to 65535)."""
     return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+class ShardedTokens:
+    """A read-only 1-D view of token arrays (shard files) one after another, without copying them.
+
+    Supports what the loaders use: ``len``, ``ndim``, ``dtype``, integer, slice and integer-array indexing
+    (any shape; a window that crosses a shard boundary is gathered from both) and ``np.asarray``.
+
+    Args:
+        parts: the shards' arrays (memmaps), in order.
+    """
+
+    ndim = 1
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        if not parts:
+            raise ValueError("ShardedTokens needs at least one shard")
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+        self.shape = (int(self.starts[-1]),)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        n = len(self)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            return self[np.arange(start, stop, step, dtype=np.int64)]
+        idx = np.asarray(index)
+        if idx.dtype.kind not in "iu":
+            raise IndexError(f"ShardedTokens takes integer, slice or integer-array indices, got {idx.dtype}")
+        flat = np.where(idx.ravel() < 0, idx.ravel() + n, idx.ravel()).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= n):
+            raise IndexError(f"index out of range for {n} tokens")
+        shard = np.searchsorted(self.starts, flat, side="right") - 1
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for s in np.unique(shard):
+            mask = shard == s
+            out[mask] = self.parts[s][flat[mask] - self.starts[s]]
+        return out.reshape(idx.shape) if idx.ndim else out[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = np.concatenate([np.asarray(p) for p in self.parts])
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"ShardedTokens({len(self.parts)} shards, {len(self):,} tokens)"
+
+
+def offsets_from_eos(tokens: np.ndarray, eos_id: int | None) -> np.ndarray:
+    """Document start offsets (then ``len(tokens)``) of a token array whose documents end with ``eos_id``.
+
+    Without an EOS id the whole array is one document. A trailing piece without EOS is a document too.
+    """
+    n = len(tokens)
+    if eos_id is None or n == 0:
+        return np.array([0, n] if n else [0], dtype=np.int64)
+    ends = np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+    starts = np.concatenate([[0], ends[ends < n]])
+    return np.concatenate([starts, [n]]).astype(np.int64)
+
+
+def check_offsets(where: str, offsets: np.ndarray, num_tokens: int) -> None:
+    """A valid document index starts at 0, never decreases and ends at ``num_tokens``; ValueError if not."""
+    if len(offsets) < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != num_tokens:
+        first = int(offsets[0]) if len(offsets) else None
+        last = int(offsets[-1]) if len(offsets) else None
+        raise ValueError(f"{where}: malformed document index (starts at {first}, ends at {last}; "
+                         f"expected 0 and {num_tokens})")
+    if len(offsets) > 1 and bool(np.any(np.diff(offsets.astype(np.int64)) < 0)):
+        raise ValueError(f"{where}: malformed document index (offsets decrease)")
 
 
 def _require_int(meta_path: Path, value: Any, what: str, minimum: int) -> int:
@@ -58,9 +145,10 @@ def _validate_meta(meta_path: Path, meta: dict[str, Any]) -> None:
     missing = [k for k in ("format_version", "dtype", "vocab_size", "num_tokens") if k not in meta]
     if missing:
         raise ValueError(f"{meta_path}: missing key(s) {', '.join(missing)}")
-    if meta["format_version"] != FORMAT_VERSION:
+    if meta["format_version"] not in _READABLE_VERSIONS:
         raise ValueError(
-            f"{meta_path}: unsupported format_version {meta['format_version']!r} (expected {FORMAT_VERSION})"
+            f"{meta_path}: unsupported format_version {meta['format_version']!r} "
+            f"(this reader knows {', '.join(map(str, _READABLE_VERSIONS))})"
         )
     if meta["dtype"] not in _DTYPES:
         raise ValueError(f"{meta_path}: dtype must be one of {sorted(_DTYPES)}, got {meta['dtype']!r}")
@@ -108,33 +196,89 @@ class TokenFileDataset:
         self.eos_id: int | None = self.meta.get("eos_id")
         self.tokenizer: str = str(self.meta.get("tokenizer", ""))
         self.num_tokens: dict[str, int] = {s: self.meta["num_tokens"][s] for s in SPLIT_FILES}
+        self.shards: dict[str, list[tuple[str, int]]] = {s: self._shard_list(meta_path, s) for s in SPLIT_FILES}
         for split in SPLIT_FILES:
-            self._check_file(split)
+            for name, count in self.shards[split]:
+                self._check_file(name, count)
+        self.has_offsets = self.meta["format_version"] >= 2
+        if self.has_offsets:
+            for split in SPLIT_FILES:
+                self._check_offsets_file(split)
         self._arrays: dict[str, np.ndarray] = {}
+        self._offsets: dict[str, np.ndarray] = {}
 
-    def _check_file(self, split: str) -> None:
-        file = self.path / SPLIT_FILES[split]
+    def _shard_list(self, meta_path: Path, split: str) -> list[tuple[str, int]]:
+        """(file name, tokens) of each file of ``split``: the ``shards`` entry, else the one split file."""
+        shards = self.meta.get("shards")
+        if shards is None:
+            return [(SPLIT_FILES[split], self.num_tokens[split])]
+        entries = shards.get(split) if isinstance(shards, dict) else None
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"{meta_path}: shards.{split} must be a non-empty list of {{file, tokens}}")
+        listed = []
+        for entry in entries:
+            name = entry.get("file") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or "/" in name or name.startswith("."):
+                raise ValueError(f"{meta_path}: shards.{split}: bad entry {entry!r}")
+            listed.append((name, _require_int(meta_path, entry.get("tokens"), f"shards.{split} tokens", 0)))
+        if sum(n for _, n in listed) != self.num_tokens[split]:
+            raise ValueError(f"{meta_path}: shards.{split} hold {sum(n for _, n in listed)} tokens but "
+                             f"num_tokens.{split} is {self.num_tokens[split]}")
+        return listed
+
+    def _check_file(self, name: str, count: int) -> None:
+        file = self.path / name
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found (listed by {self.path / META_FILE})")
-        expected = self.num_tokens[split] * self.dtype.itemsize
+        expected = count * self.dtype.itemsize
         actual = file.stat().st_size
         if actual != expected:
             raise ValueError(
-                f"{file}: size is {actual} bytes but {META_FILE} says {self.num_tokens[split]} "
+                f"{file}: size is {actual} bytes but {META_FILE} says {count} "
                 f"{self.meta['dtype']} tokens ({expected} bytes); the dataset is incomplete or stale"
             )
 
+    def _check_offsets_file(self, split: str) -> None:
+        """Size, first and last entry of the document index (cheap: reads two numbers)."""
+        file = self.path / OFFSET_FILES[split]
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found (format_version 2 in {self.path / META_FILE})")
+        size = file.stat().st_size
+        if size == 0 or size % OFFSET_DTYPE.itemsize:
+            raise ValueError(f"{file}: malformed document index ({size} bytes, not a positive multiple of 8)")
+        offsets = np.memmap(file, dtype=OFFSET_DTYPE, mode="r")
+        check_offsets(str(file), np.array([offsets[0], offsets[-1]]), self.num_tokens[split])
+
+    def doc_offsets(self, split: str = "train") -> np.ndarray:
+        """Start offset of every document of ``split``, then the split's token count (int64).
+
+        Read from the offsets index (format 2) or found by EOS (format 1), and checked once.
+        """
+        if split not in self._offsets:
+            if self.has_offsets:
+                file = self.path / OFFSET_FILES[split]
+                offsets = np.fromfile(file, dtype=OFFSET_DTYPE).astype(np.int64)
+                check_offsets(str(file), offsets, self.num_tokens[split])
+            else:
+                offsets = offsets_from_eos(self._tokens(split), self.eos_id)
+            self._offsets[split] = offsets
+        return self._offsets[split]
+
+    def _map(self, name: str, n: int) -> np.ndarray:
+        if n == 0:
+            # mmap cannot map an empty file; an empty read-only array behaves the same.
+            empty = np.zeros(0, dtype=self.dtype)
+            empty.flags.writeable = False
+            return empty
+        return np.memmap(self.path / name, dtype=self.dtype, mode="r", shape=(n,))
+
     def _tokens(self, split: str) -> np.ndarray:
         if split not in self._arrays:
-            n = self.num_tokens[split]
-            if n == 0:
-                # mmap cannot map an empty file; an empty read-only array behaves the same.
-                empty = np.zeros(0, dtype=self.dtype)
-                empty.flags.writeable = False
-                self._arrays[split] = empty
+            parts = [self._map(name, n) for name, n in self.shards[split] if n]
+            if len(parts) > 1:
+                self._arrays[split] = ShardedTokens(parts)  # type: ignore[assignment]
             else:
-                file = self.path / SPLIT_FILES[split]
-                self._arrays[split] = np.memmap(file, dtype=self.dtype, mode="r", shape=(n,))
+                self._arrays[split] = parts[0] if parts else self._map("", 0)
         return self._arrays[split]
 
     def train_tokens(self) -> np.ndarray:
