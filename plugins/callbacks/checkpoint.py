@@ -244,6 +244,9 @@ class CheckpointManager(Callback):
         # keep_best ranks checkpoints by the loss of their own weights.
         if self.last_saved_step != trainer.step or not trainer.is_global_zero or self.directory is None:
             return
+        # The validation of a checkpoint's step is part of its record: on disk now, so a resume (which does
+        # not validate that step again) finds it.
+        trainer.flush_loggers()
         if self._pending is not None and not self._pending.done():
             return  # recorded when it commits: the manifest is written from the metrics at save time
         path = self.directory / step_dirname(trainer.step)
