@@ -136,6 +136,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from trainer.checkpoint.manifest import CheckpointError
     from trainer.launch import describe_failure
     from trainer.sweep import error_line, wandb_group, write_status
 
@@ -152,13 +153,15 @@ def hydra_app(cfg: DictConfig) -> float | None:
         if writes_status:
             write_status(run_dir, "failed", message)
         if in_sweep:  # the sweep goes on with the next job
-            log.error(f"job failed: {message}",
-                      exc_info=not isinstance(error, (ConfigError, DoesNotFitError, ChildFailedError)))
+            log.error(f"job failed: {message}", exc_info=not isinstance(
+                error, (ConfigError, DoesNotFitError, CheckpointError, ChildFailedError)))
             return None
-        if isinstance(error, (ConfigError, DoesNotFitError)):  # also raised once the data is read
+        if isinstance(error, (ConfigError, DoesNotFitError, CheckpointError)):  # found once data/checkpoints are read
             if _full_errors():
                 raise
-            _fail(str(error), EXIT_DOES_NOT_FIT if isinstance(error, DoesNotFitError) else EXIT_CONFIG_ERROR)
+            # a damaged or mismatched checkpoint is a bad input like a bad path: one line, exit 2
+            _fail(str(error).splitlines()[0] if str(error).strip() else type(error).__name__,
+                  EXIT_DOES_NOT_FIT if isinstance(error, DoesNotFitError) else EXIT_CONFIG_ERROR)
         if isinstance(error, ChildFailedError):
             log.error(f"error: {message}")
             sys.exit(1)
