@@ -81,6 +81,8 @@ def check_run_dir(overrides: list[str]) -> None:
     try:
         tempfile.TemporaryDirectory(dir=existing, prefix=".trainer-write-test-").cleanup()
     except OSError as error:
+        if _full_errors():
+            raise
         _fail(f"{key}: cannot create the run directory {template} ({error.strerror or error} in {existing})")
 
 
