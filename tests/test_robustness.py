@@ -111,7 +111,7 @@ def test_2_memory_preflight_says_needed_vs_available_and_can_be_skipped(monkeypa
     assert "device memory per rank needs" in preflight.memory_preflight(cfg, gpu)
     assert preflight.memory_preflight(cfg, preflight.MachineMemory("cpu", host_available=1e12)) is None
 
-    monkeypatch.setattr(preflight, "available_memory", lambda device_type: small)
+    monkeypatch.setattr(preflight, "available_memory", lambda device_type, launching=False: small)
     with pytest.raises(DoesNotFitError, match="does not fit in memory"):
         check_memory(cfg)
     check_memory(compose(["trainer.devices=2", "strategy=ddp", "trainer.preflight=false"]))  # skipped

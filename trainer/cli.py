@@ -90,9 +90,10 @@ def check_memory(cfg: DictConfig) -> None:
     """Raise DoesNotFitError when the planner's estimate does not fit this machine (trainer.preflight)."""
     if cfg.mode != "train" or not cfg.trainer.preflight:
         return
+    from trainer.launch import needs_launch
     from trainer.planner.preflight import memory_preflight
 
-    verdict = memory_preflight(cfg)
+    verdict = memory_preflight(cfg, launching=needs_launch(cfg))
     if verdict is not None:
         raise DoesNotFitError(verdict)
 

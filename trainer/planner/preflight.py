@@ -51,13 +51,40 @@ def _meminfo_available() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def available_memory(device_type: str) -> MachineMemory:
-    """Free host memory and, for CUDA, the free memory of this process's GPU (LOCAL_RANK's)."""
+def _nvml_free_bytes(index: int) -> Optional[float]:
+    """Free memory of GPU `index` through NVML (no CUDA context is created), None without pynvml."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+
+
+def available_memory(device_type: str, launching: bool = False) -> MachineMemory:
+    """Free host memory and, for CUDA, the free memory of this process's GPU (LOCAL_RANK's).
+
+    `launching`: this process only starts the workers. It must not create a CUDA context on their GPU
+    (it would hold hundreds of MB there for the whole run), so without NVML it takes the GPU's total
+    memory, which needs no context, instead of the free memory (`cuda.mem_get_info` creates one).
+    """
     device_available = None
     if device_type == "cuda":
         import torch
 
-        device_available = float(torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0])
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        device_available = _nvml_free_bytes(index)
+        if device_available is None:
+            if launching and not torch.cuda.is_initialized():
+                device_available = float(torch.cuda.get_device_properties(index).total_memory)
+            else:
+                device_available = float(torch.cuda.mem_get_info(index)[0])
     return MachineMemory(device_type, _meminfo_available(), device_available)
 
 
@@ -91,11 +118,13 @@ def _suggestions(cfg: DictConfig, machine: MachineMemory, local_ranks: int) -> l
     return [" ".join(s.changes) for s in found]
 
 
-def memory_preflight(cfg: DictConfig, machine: Optional[MachineMemory] = None) -> Optional[str]:
+def memory_preflight(cfg: DictConfig, machine: Optional[MachineMemory] = None,
+                     launching: bool = False) -> Optional[str]:
     """None when the planner's estimate fits in `machine` (this machine's free memory by default), else
-    one line: what is needed vs what is available, and what the planner suggests instead."""
+    one line: what is needed vs what is available, and what the planner suggests instead. `launching`:
+    this process only starts the workers (see `available_memory`)."""
     device_type = _device_type(cfg)
-    machine = machine or available_memory(device_type)
+    machine = machine or available_memory(device_type, launching)
     local_ranks = int(cfg.trainer.devices)
     layout = layout_from_config(cfg)
     options = dataclasses.replace(PlanOptions.of(cfg), headroom=0.0, rank=None)
