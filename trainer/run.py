@@ -129,7 +129,8 @@ def save_final_checkpoint(trainer: Trainer) -> Path:
     weights and everything a resume needs; `trainer.save_final=false` turns it off."""
     directory = checkpoint_directory(trainer)
     path = directory / step_dirname(trainer.step)
-    if is_checkpoint(path):
+    # Rank 0's view decides: a save is collective, so every rank must take the same branch.
+    if trainer.strategy.broadcast_object(is_checkpoint(path)):
         return path
     if trainer.is_global_zero and directory.is_dir():
         for leftover in remove_partial_saves(directory):  # a final save killed earlier in this directory
@@ -150,8 +151,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                  f"MFU {100 * summary['mfu']:.1f}%")
         log.info(f"summary: {path}")
         if final is not None:  # the run's last line: where its result is
-            log.info(f"final checkpoint: {final} (continue with resume={final}, export with "
-                     f"python -m trainer.checkpoint.hf export {final} OUT)")
+            log.info(f"final checkpoint: {final} (resume=auto in this run directory continues from it)")
     strategy = trainer.strategy
     # The model goes before the process group: DDP's C++ reducer holds a reference to the gloo group,
     # and a group destroyed through it runs its destructor with the GIL held while gloo's worker
