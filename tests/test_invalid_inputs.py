@@ -168,6 +168,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
      "callbacks.checkpoint: every_n_steps must be >= 1"),
     ("trainer", ["callbacks=[default,checkpoint]", "callbacks.checkpoint.mode=median"], 2,
      "callbacks.checkpoint: mode must be min or max"),
+    ("trainer", ["callbacks=[default,checkpoint]", "callbacks.checkpoint.directory=/proc/ckpts"], 2,
+     "callbacks.checkpoint: directory: cannot write checkpoints to /proc/ckpts"),
     # ---- CLI entry points and the machine ------------------------------------------------------------
     ("trainer", ["hydra.run.dir=/proc/nope"], 2, "hydra.run.dir: cannot create the run directory /proc/nope"),
     ("trainer", ["hydra.run.dir={file}/run"], 2, "is not a directory, cannot create the run directory"),
