@@ -189,3 +189,60 @@ class RecordReplicated(Callback):
         os.makedirs(self.directory, exist_ok=True)
         torch.save({"replicated": replicated, "streams": streams},
                    os.path.join(self.directory, f"replicated_rank{trainer.strategy.rank}.pt"))
+
+
+class KillSelf(Callback):
+    """SIGKILL this process (no handler runs, nothing is flushed: a node loss, the OOM killer) at one point:
+
+    - `phase=step`: at the end of step `step`, after the callbacks before this one (a checkpoint manager
+      listed earlier has saved that step's checkpoint);
+    - `phase=commit`: while the checkpoint of step `step` is being committed: its shards and manifest are
+      written into the `.partial` directory, the rename that publishes it has not happened;
+    - `phase=metrics`: in the middle of writing metrics.csv, at the first write during step `step` (the flush
+      before that step's checkpoint): half of the text reaches the file.
+    """
+
+    def __init__(self, step: int, phase: str = "step") -> None:
+        assert phase in ("step", "commit", "metrics"), phase
+        self.step = step
+        self.phase = phase
+
+    @staticmethod
+    def _kill() -> None:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if self.phase == "commit":
+            import trainer.checkpoint.manifest as manifest
+
+            fsync_dir = manifest._fsync_dir
+            partial = f".{manifest.step_dirname(self.step)}.partial"
+
+            def fsync_then_die(path: Any) -> None:
+                fsync_dir(path)
+                if os.path.basename(str(path)) == partial and os.path.isfile(os.path.join(path, manifest.MANIFEST)):
+                    self._kill()
+
+            manifest._fsync_dir = fsync_then_die
+        elif self.phase == "metrics":
+            from trainer.plugins.loggers.durable_csv import DurableCSVLogger
+
+            logger = next(lg for lg in trainer.loggers if isinstance(lg, DurableCSVLogger))
+            append, step = logger._append, self.step
+
+            def torn_append(text: str) -> None:
+                if trainer.step == step:
+                    with open(logger.path, "a", newline="") as f:
+                        f.write(text[: max(1, len(text) // 2)])
+                        f.flush()
+                        os.fsync(f.fileno())
+                    self._kill()
+                append(text)
+
+            logger._append = torn_append
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if self.phase == "step" and trainer.step == self.step:
+            self._kill()

@@ -123,7 +123,7 @@ INVALID = [
     (["model.n_heads=7"], "model:"),
     (["model.n_kv_heads=3"], "model:"),
     (["optimizer.lr=-1"], "optimizer.lr: must be positive"),
-    (["lr_schedule.warmup_steps=500"], "lr_schedule: warmup_steps"),
+    (["lr_schedule=wsd", "lr_schedule.decay_fraction=0"], "lr_schedule: decay_fraction must be in (0.0, 1.0], got 0"),
     (["trainer.max_steps=null"], "trainer.max_steps: set trainer.max_steps or trainer.max_tokens"),
     (["trainer.micro_batch_size=0"], "trainer.micro_batch_size: must be >= 1"),
     (["trainer.accelerator=tpu"], "trainer.accelerator: 'tpu' is not one of auto, cpu, cuda"),

@@ -44,6 +44,10 @@ def test_devices_2_launches_workers_in_one_run_dir_and_only_rank0_speaks(tmp_pat
     pids = {(tmp_path / f"rank{r}.pid").read_text() for r in (0, 1)}
     assert len(pids) == 2 and str(os.getpid()) not in pids
     assert "launching 2 worker(s)" in (tmp_path / "train.log").read_text()
+    # the final checkpoint (trainer.save_final), saved by both ranks together, named by the last line
+    final = tmp_path / "checkpoints" / "step_00000004"
+    assert (final / "checkpoint.json").is_file() and len(list(final.glob("*.distcp"))) == 2
+    assert f"final checkpoint: {final}" in out.strip().splitlines()[-1]
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """`python -m trainer` / `trainer`: the Hydra application.
 
 Before Hydra takes over, the overrides are composed and validated once here, so that a wrong key, type
-or value is one line on stderr with exit status 2 and no traceback (set TRAINER_FULL_ERROR=1 for it),
-before any process is started or any data is read.
+or value, an unreadable data or checkpoint path or a run directory that cannot be written is one line on
+stderr with exit status 2 and no traceback (set TRAINER_FULL_ERROR=1 for it), before any process is started
+or any data is read. Then the memory preflight (trainer/planner/preflight.py) compares the planner's
+estimate with this machine's free memory: one line and exit status 3 when the run cannot fit.
 """
 
 from __future__ import annotations
@@ -10,21 +12,27 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from trainer.config import CONF_DIR, ConfigError, compose, describe_compose_error, register_configs, validate
+from trainer.config import (CONF_DIR, ConfigError, DoesNotFitError, compose, describe_compose_error,
+                            register_configs, validate)
 
 log = logging.getLogger("trainer")
 EXIT_CONFIG_ERROR = 2
+EXIT_DOES_NOT_FIT = 3
+# The run directory Hydra makes when `hydra.run.dir` is not given (conf/config.yaml), up to its first
+# interpolation: what must be writable.
+DEFAULT_RUN_ROOT = "outputs"
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = EXIT_CONFIG_ERROR) -> None:
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG_ERROR)
+    sys.exit(status)
 
 
 def _full_errors() -> bool:
@@ -48,6 +56,48 @@ def preflight(overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def _override_value(overrides: list[str], key: str) -> str | None:
+    for override in overrides:
+        name, _, value = override.lstrip("+").partition("=")
+        if name == key:
+            return value
+    return None
+
+
+def check_run_dir(overrides: list[str]) -> None:
+    """`hydra.run.dir` (or the default `outputs/...`) must be a directory this process can create and
+    write; exit 2 with one line otherwise. The test writes a temporary directory beside where the run
+    directory goes and removes it, so nothing is left there either way."""
+    value = _override_value(overrides, "hydra.run.dir")
+    template = value if value is not None else DEFAULT_RUN_ROOT
+    literal = template.split("${", 1)[0] or "."  # the part before Hydra's interpolations (${now:...})
+    path = Path(literal).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    key = "hydra.run.dir"
+    if not existing.is_dir():
+        _fail(f"{key}: {existing} is not a directory, cannot create the run directory {template}")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".trainer-write-test-").cleanup()
+    except OSError as error:
+        if _full_errors():
+            raise
+        _fail(f"{key}: cannot create the run directory {template} ({error.strerror or error} in {existing})")
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """Raise DoesNotFitError when the planner's estimate does not fit this machine (trainer.preflight)."""
+    if cfg.mode != "train" or not cfg.trainer.preflight:
+        return
+    from trainer.launch import needs_launch
+    from trainer.planner.preflight import memory_preflight
+
+    verdict = memory_preflight(cfg, launching=needs_launch(cfg))
+    if verdict is not None:
+        raise DoesNotFitError(verdict)
+
+
 def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Validate, then train here or in launched workers: the run's summary, None if it was skipped."""
     from trainer.launch import (adopt_slurm_environment, configure_worker_logging, distributed_environment,
@@ -67,6 +117,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
         if int(os.environ.get("RANK", "0")) == 0:
             write_status(run_dir, "skipped_unfit", reason)
         return None
+    check_memory(cfg)  # before any worker starts and any weight is materialized (sweep jobs, torchrun ranks)
     if needs_launch(cfg):
         launch(cfg, run_dir, train)
         return read_summary(run_dir)
@@ -88,6 +139,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from trainer.checkpoint.manifest import CheckpointError
     from trainer.launch import describe_failure
     from trainer.sweep import error_line, wandb_group, write_status
 
@@ -104,12 +156,15 @@ def hydra_app(cfg: DictConfig) -> float | None:
         if writes_status:
             write_status(run_dir, "failed", message)
         if in_sweep:  # the sweep goes on with the next job
-            log.error(f"job failed: {message}", exc_info=not isinstance(error, (ConfigError, ChildFailedError)))
+            log.error(f"job failed: {message}", exc_info=not isinstance(
+                error, (ConfigError, DoesNotFitError, CheckpointError, ChildFailedError)))
             return None
-        if isinstance(error, ConfigError):  # also raised once the data is read (vocabulary, too little text)
+        if isinstance(error, (ConfigError, DoesNotFitError, CheckpointError)):  # found once data/checkpoints are read
             if _full_errors():
                 raise
-            _fail(str(error))
+            # a damaged or mismatched checkpoint is a bad input like a bad path: one line, exit 2
+            _fail(str(error).splitlines()[0] if str(error).strip() else type(error).__name__,
+                  EXIT_DOES_NOT_FIT if isinstance(error, DoesNotFitError) else EXIT_CONFIG_ERROR)
         if isinstance(error, ChildFailedError):
             log.error(f"error: {message}")
             sys.exit(1)
@@ -131,6 +186,13 @@ def main() -> None:
             from trainer.planner.report import run as run_plan
 
             sys.exit(run_plan(cfg, args))
+        check_run_dir(args)
+        try:
+            check_memory(cfg)
+        except DoesNotFitError as error:
+            if _full_errors():
+                raise
+            _fail(str(error), EXIT_DOES_NOT_FIT)
     hydra_app()
 
 

@@ -51,12 +51,32 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Data-sheet peak of a known GPU; otherwise (CPU, unknown GPU) the measured matmul peak."""
+    return peak_flops_with_note(device, dtype)[0]
+
+
+def peak_flops_with_note(device: torch.device, dtype: torch.dtype) -> tuple[float, str | None]:
+    """The MFU reference of matmuls in `dtype` (the dtype they actually run in: the precision's compute
+    dtype) and, when it is not that dtype's own peak, a note saying which it is.
+
+    A known GPU's data-sheet peak of the dtype. Otherwise the measured matmul peak of the dtype, unless the
+    fp32 peak measures higher: a CPU without fp16/bf16 units (no AMX, no AVX512-FP16) runs 16-bit matmuls
+    through slow generic kernels, and the model's own matmuls can then beat that figure (an MFU of 589%
+    was seen), so the larger fp32 peak is the reference and the note says so.
+    """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, table in GPU_PEAK_FLOPS.items():
             if key in name and dtype in table:
-                return table[dtype]
-    return measure_matmul_flops(device.type, dtype)
+                return table[dtype], None
+    measured = measure_matmul_flops(device.type, dtype)
+    if dtype == torch.float32:
+        return measured, None
+    fp32 = measure_matmul_flops(device.type, torch.float32)
+    if fp32 > measured:
+        name = str(dtype).removeprefix("torch.")
+        return fp32, (f"MFU is against the fp32 matmul peak ({fp32 / 1e9:.1f} GFLOP/s): {name} matmuls measure "
+                      f"slower here ({measured / 1e9:.1f} GFLOP/s)")
+    return measured, None
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -14,10 +14,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.checkpoint import resume
+from trainer.checkpoint import checkpoint_directory, resume, save_checkpoint
+from trainer.checkpoint.manifest import is_checkpoint, remove_partial_saves, step_dirname
 from trainer.config import ConfigError, tokens_per_step, total_steps, validate
 from trainer.data import build_loaders
-from trainer.hardware import peak_flops, reset_peak_memory
+from trainer.hardware import peak_flops_with_note, reset_peak_memory
 from trainer.launch import agree_on_run_dir
 from trainer.loop import Trainer
 from trainer.models import build_meta_model
@@ -25,16 +26,24 @@ from trainer.models import build_meta_model
 log = logging.getLogger("trainer")
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
-    """Every configured logger; metrics.csv is always written."""
+def build_loggers(cfg: DictConfig, run_dir: Path, start_step: int = 0) -> list[Any]:
+    """Every configured logger; metrics.csv is always written. Built once the run knows where it starts
+    (`start_step`: 0, or the step of the checkpoint it resumed), so each logger continues its record from
+    there (metrics.csv keeps the rows up to it, TensorBoard purges later events, wandb resumes its run)."""
     logger_cfgs = dict(cfg.logger)
     if "csv" not in logger_cfgs:
         logger_cfgs["csv"] = OmegaConf.create({"_target_": "trainer.plugins.loggers.csv_logger", "_partial_": True})
-    return [instantiate(node)(run_dir=run_dir) for node in logger_cfgs.values()]
+    return [instantiate(node)(run_dir=run_dir, start_step=start_step) for node in logger_cfgs.values()]
 
 
 def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> tuple[Any, Any]:
-    source = instantiate(cfg.data)
+    from hydra.errors import InstantiationException
+
+    try:
+        source = instantiate(cfg.data)
+    except (OSError, ValueError, InstantiationException) as error:  # validation checked it; files can change
+        cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
+        raise ConfigError("data", str(cause).splitlines()[0]) from error
     if source.vocab_size > vocab_size:
         raise ConfigError("data", f"the data has {source.vocab_size} token ids but model.vocab_size is "
                                   f"{vocab_size}: pick a model whose vocabulary covers the data")
@@ -66,18 +75,20 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
 
     optimizer = strategy.build_optimizer(cfg.optimizer, model_parts)
     steps = total_steps(cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.lr_schedule)(total_steps=steps))
+    schedule = instantiate(cfg.lr_schedule)(total_steps=steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    warmup_note = schedule.warmup_note()
+    if warmup_note is not None and strategy.is_global_zero:
+        log.warning(f"warning: {warmup_note}")
     train_loader, val_set = build_data(cfg, model.config.vocab_size, strategy.dp_rank, strategy.dp_size)
 
     if strategy.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    loggers = build_loggers(cfg, run_dir) if strategy.is_global_zero else []
-    for logger in loggers:
-        try:
-            logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-        except NotImplementedError:  # Lightning's CSVLogger; the resolved config is in config.yaml
-            pass
+    peak, peak_note = (float(t.peak_flops), None) if t.peak_flops else peak_flops_with_note(
+        strategy.device, strategy.precision.compute_dtype)  # the dtype the matmuls run in
+    if peak_note is not None and strategy.is_global_zero:
+        log.info(peak_note)
     log.info(f"model {cfg.model.name}: {num_params:,} parameters; {steps} steps of "
              f"{tokens_per_step(cfg):,} tokens; run dir {run_dir}")
 
@@ -93,26 +104,51 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         tokens_per_step=tokens_per_step(cfg),
         num_params=num_params,
         flops_per_token=flops_per_token,
-        peak_flops=t.peak_flops or peak_flops(strategy.device, strategy.precision.compute_dtype),
+        peak_flops=peak,
         callbacks=[instantiate(node) for node in cfg.callbacks.values()],
-        loggers=loggers,
         run_dir=run_dir,
     )
     # Continue from a checkpoint (resume=auto|PATH), or start from given weights (init_from).
     resume(trainer, str(cfg.resume), cfg.init_from)
+    if strategy.is_global_zero:
+        trainer.loggers = build_loggers(cfg, run_dir, start_step=trainer.step)
+        for logger in trainer.loggers:
+            try:
+                logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+            except NotImplementedError:  # a logger without hyperparameters; the config is in config.yaml
+                pass
     return trainer
+
+
+def save_final_checkpoint(trainer: Trainer) -> Path:
+    """The checkpoint of the state training ended in (collective), in the run's checkpoint directory: the
+    one a CheckpointManager wrote at this step (`save_last`, or a periodic save), else a new one. Holds the
+    weights and everything a resume needs; `trainer.save_final=false` turns it off."""
+    directory = checkpoint_directory(trainer)
+    path = directory / step_dirname(trainer.step)
+    # Rank 0's view decides: a save is collective, so every rank must take the same branch.
+    if trainer.strategy.broadcast_object(is_checkpoint(path)):
+        return path
+    if trainer.is_global_zero and directory.is_dir():
+        for leftover in remove_partial_saves(directory):  # a final save killed earlier in this directory
+            log.warning(f"removed an incomplete save (a process stopped while writing it): {leftover}")
+    save_checkpoint(trainer, path, reason="end")
+    return path
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train the configured model; write summary.json into run_dir and return the summary."""
     trainer = build_trainer(cfg, run_dir)
     summary = trainer.fit()
+    final = save_final_checkpoint(trainer) if cfg.trainer.save_final else None
     if trainer.is_global_zero:
         path = trainer.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
         log.info(f"final val_loss {summary['final_val_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
                  f"MFU {100 * summary['mfu']:.1f}%")
         log.info(f"summary: {path}")
+        if final is not None:  # the run's last line: where its result is
+            log.info(f"final checkpoint: {final} (resume=auto in this run directory continues from it)")
     strategy = trainer.strategy
     # The model goes before the process group: DDP's C++ reducer holds a reference to the gloo group,
     # and a group destroyed through it runs its destructor with the GIL held while gloo's worker

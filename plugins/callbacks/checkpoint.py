@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -104,9 +105,28 @@ class CheckpointManager(Callback):
         if exception_timeout_s < 0:
             raise ValueError(f"exception_timeout_s must be >= 0, got {exception_timeout_s}")
 
+    @staticmethod
+    def check_directory(directory: str) -> None:
+        """An absolute `directory` must be creatable and writable (a relative one is under the run directory,
+        which the CLI checks): a temporary directory is made and removed where it goes."""
+        path = Path(directory).expanduser()
+        if not path.is_absolute():
+            return
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"directory: {existing} is not a directory, cannot create {directory}")
+        try:
+            tempfile.TemporaryDirectory(dir=existing, prefix=".trainer-write-test-").cleanup()
+        except OSError as error:
+            raise ValueError(f"directory: cannot write checkpoints to {directory} "
+                             f"({error.strerror or error} in {existing})") from None
+
     @classmethod
     def check_config(cls, node: Any) -> None:
         """Called by config validation before any process starts."""
+        cls.check_directory(str(node.get("directory", "checkpoints")))
         cls.check(every_n_steps=node.get("every_n_steps"), every_n_minutes=node.get("every_n_minutes"),
                   keep_last=node.get("keep_last", 3), keep_best=node.get("keep_best", 0),
                   mode=node.get("mode", "min"), milestone_every=node.get("milestone_every"),
@@ -244,6 +264,9 @@ class CheckpointManager(Callback):
         # keep_best ranks checkpoints by the loss of their own weights.
         if self.last_saved_step != trainer.step or not trainer.is_global_zero or self.directory is None:
             return
+        # The validation of a checkpoint's step is part of its record: on disk now, so a resume (which does
+        # not validate that step again) finds it.
+        trainer.flush_loggers()
         if self._pending is not None and not self._pending.done():
             return  # recorded when it commits: the manifest is written from the metrics at save time
         path = self.directory / step_dirname(trainer.step)

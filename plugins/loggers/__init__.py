@@ -1,86 +1,45 @@
 """Logger factories: Lightning's logger classes, configured for a run directory.
 
-Each factory is a Hydra `_partial_` target; the trainer supplies `run_dir`. They return Lightning
-loggers (`log_metrics`, `log_hyperparams`, `save`, `finalize`), so any Lightning logger can be added.
+Each factory is a Hydra `_partial_` target; the trainer supplies `run_dir` and `start_step` (the step the
+run starts from: 0, or the checkpoint's step on a resume), after the checkpoint is loaded. They return
+Lightning loggers (`log_metrics`, `log_hyperparams`, `save`, `finalize`), so any Lightning logger can be
+added. `save()` is called before every checkpoint is committed: what a checkpoint's step logged is on
+disk when the checkpoint exists.
 """
 
 from __future__ import annotations
 
 import netrc
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.plugins.loggers.durable_csv import DurableCSVLogger, write_atomically
 
-def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10) -> Any:
-    """`<run_dir>/metrics.csv`, one row per logged step; new columns (val_loss) are added as they appear.
+# The file that keeps a run directory's wandb run id (so that a resume continues that run).
+WANDB_ID_FILE = "wandb_run_id"
 
-    A run resumed in its own directory continues the file: the rows of the steps before the first step
-    this run logs are kept (those after it were logged past the checkpoint by the run that stopped, and
-    are redone), so the file holds the whole curve. A fresh run in a used directory starts a new file.
+
+def csv_logger(run_dir: str | Path, flush_logs_every_n_steps: int = 10, start_step: int = 0) -> Any:
+    """`<run_dir>/metrics.csv`, one row per logged step (see `DurableCSVLogger`).
+
+    `start_step` is the step the run starts from (the checkpoint's on a resume, 0 for a new run): the rows
+    of the steps up to it are kept, the later ones (logged past the checkpoint by the run that stopped, and
+    redone now) are dropped, so the file holds every step once. A fresh run in a used directory starts a
+    new file.
     """
-    import csv
-    import warnings
-
-    from lightning.fabric.loggers import CSVLogger
-
-    metrics_file = Path(run_dir) / "metrics.csv"
-    previous_rows: list[dict[str, Any]] = []
-    if metrics_file.is_file():  # read now: Lightning deletes it when its writer starts
-        with open(metrics_file, newline="") as f:
-            previous_rows = list(csv.DictReader(f))
-
-    class StepRowCSVLogger(CSVLogger):
-        """Lightning's CSVLogger writes one row per call; the loop, the monitors and validation each log
-        a step's metrics in their own call, so calls for the step of the last row are merged into it."""
-
-        last_step: int | None = None
-
-        def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-            rows = self.experiment.metrics
-            if step is not None and self.last_step is not None and step < self.last_step:
-                self._drop_rows_from(step)  # a rollback replays steps: their rows are redone
-            if step is not None:
-                self.last_step = step
-            if previous_rows:
-                first_step = step if step is not None else 0
-                rows[:0] = [row for row in previous_rows if row.get("step", "").isdigit()
-                            and int(row["step"]) < first_step]
-                previous_rows.clear()
-            if step is not None and rows and rows[-1].get("step") == step:
-                rows[-1].update({k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()})
-                return
-            # Flush only when a new step starts, so that no step is split over two rows.
-            if len(rows) >= self._flush_logs_every_n_steps:
-                self.save()
-            self.experiment.log_metrics(metrics, step)
-
-        def _drop_rows_from(self, step: int) -> None:
-            """Forget the rows of `step` and later, in memory and in the file already written."""
-            writer = self.experiment
-            writer.metrics[:] = [row for row in writer.metrics if int(row.get("step", -1)) < step]
-            path = Path(writer.metrics_file_path)
-            if not path.is_file():
-                return
-            with open(path, newline="") as f:
-                reader = csv.DictReader(f)
-                fields, kept = reader.fieldnames or [], [row for row in reader if int(row["step"]) < step]
-            with open(path, "w", newline="") as f:
-                out = csv.DictWriter(f, fieldnames=fields)
-                out.writeheader()
-                out.writerows(kept)
-
-    # The run directory already holds config.yaml and the log; Lightning would warn about that.
-    warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
-    return StepRowCSVLogger(root_dir=str(run_dir), name="", version="",
-                            flush_logs_every_n_steps=flush_logs_every_n_steps)
+    return DurableCSVLogger(Path(run_dir), flush_every=flush_logs_every_n_steps, start_step=start_step)
 
 
-def tensorboard_logger(run_dir: str | Path, subdir: str = "tensorboard") -> Any:
+def tensorboard_logger(run_dir: str | Path, subdir: str = "tensorboard", start_step: int = 0) -> Any:
+    """TensorBoard event files under `<run_dir>/<subdir>`; a resumed run writes into the same directory and
+    purges the events the stopped run logged after the checkpoint (`purge_step`), so each step shows once."""
     from lightning.fabric.loggers import TensorBoardLogger
 
-    return TensorBoardLogger(root_dir=str(Path(run_dir) / subdir), name="", version="")
+    purge = {"purge_step": start_step + 1} if start_step > 0 else {}
+    return TensorBoardLogger(root_dir=str(Path(run_dir) / subdir), name="", version="", **purge)
 
 
 def wandb_api_key_configured() -> bool:
@@ -101,14 +60,29 @@ def wandb_logger(
     entity: str | None = None,
     offline: bool | None = None,
     tags: list[str] | None = None,
+    start_step: int = 0,
 ) -> Any:
-    """Weights & Biases through Lightning's WandbLogger; never needs the network unless a key exists."""
+    """Weights & Biases through Lightning's WandbLogger; never needs the network unless a key exists.
+
+    The wandb run id is kept in `<run_dir>/wandb_run_id`, so a run resumed in its directory continues the
+    same wandb run (`resume="allow"`) instead of starting another one.
+    """
     from lightning.pytorch.loggers import WandbLogger
 
+    del start_step  # wandb continues its run from its own last step
     if offline is None:
         offline = not wandb_api_key_configured() or os.environ.get("WANDB_MODE") == "offline"
     run_dir = Path(run_dir)
+    id_file = run_dir / WANDB_ID_FILE
+    if id_file.is_file() and id_file.read_text().strip():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = uuid.uuid4().hex[:16]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(id_file, run_id + "\n")
     return WandbLogger(
+        id=run_id,
+        resume="allow",
         project=project,
         group=group or run_dir.parent.name,
         name=name or run_dir.name,
@@ -126,7 +100,7 @@ class CSVLoggerConfig:
 
     _target_: str = "trainer.plugins.loggers.csv_logger"
     _partial_: bool = True
-    # Rows are buffered and written every N logged steps (and at the end).
+    # Rows are buffered and written every N logged steps, before every checkpoint and at the end.
     flush_logs_every_n_steps: int = 10
 
 

@@ -209,12 +209,10 @@ class WSD(LRSchedule):
             raise ValueError(
                 f"decay_shape must be one of {allowed}, got {self.decay_shape!r}"
             ) from None
-        if self.warmup_steps > self.decay_start:
-            raise ValueError(
-                f"warmup_steps must be in [0, {self.decay_start}] (total_steps minus "
-                f"round(decay_fraction * total_steps) = {self.decay_steps} cooldown steps), "
-                f"got {self.warmup_steps}"
-            )
+
+    def _max_warmup_steps(self) -> int:
+        # Warmup must end before the cooldown starts; a longer one is a warning (LRSchedule.warmup_note).
+        return self.decay_start
 
     def _after_warmup(self, step: int) -> float:
         # Anchored one step early so that decay_start itself is already decayed.

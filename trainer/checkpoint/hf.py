@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from trainer.checkpoint.manifest import CheckpointError, read_manifest
+from trainer.checkpoint.manifest import CheckpointError, read_manifest, verify_files
 from trainer.models.llama import LlamaConfig
 
 if TYPE_CHECKING:
@@ -189,7 +189,11 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: Option
     from trainer.models import build_model
 
     checkpoint = Path(checkpoint)
-    saved = dict(read_manifest(checkpoint).get("model") or {})
+    manifest = read_manifest(checkpoint)
+    # Every file against its recorded size and CRC first: DCP reads by offset, so a truncated or altered
+    # shard could otherwise be exported as wrong weights without an error.
+    verify_files(checkpoint, sorted(manifest["files"]), manifest)
+    saved = dict(manifest.get("model") or {})
     if saved.pop("class", None) != "LlamaConfig":
         raise CheckpointError(f"{checkpoint} does not hold a Llama model")
     config = LlamaConfig(**saved)

@@ -165,6 +165,9 @@ def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manu
     partial = partial_path(path)
     error: Optional[BaseException] = None
     if strategy.is_global_zero:
+        # The metrics of this step and before go to disk first: a run resumed from this checkpoint must
+        # find every step it does not redo in metrics.csv, also after a SIGKILL right after the commit.
+        trainer.flush_loggers()
         try:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)

@@ -30,7 +30,7 @@ from trainer.config.derived import (
     total_steps,
     world_size,
 )
-from trainer.config.errors import ConfigError
+from trainer.config.errors import ConfigError, DoesNotFitError
 from trainer.config.paths import CONF_DIR, RECIPES_DIR
 from trainer.config.registry import register_configs
 from trainer.config.schema import ACCELERATORS, MODES, PLAN_FORMATS, Config, PlanConfig, SweepConfig, TrainerConfig
@@ -38,7 +38,7 @@ from trainer.config.validation import validate
 
 __all__ = [
     "ACCELERATORS", "CONF_DIR", "MODES", "PLAN_FORMATS", "RECIPES_DIR",
-    "Config", "ConfigError", "PlanConfig", "SweepConfig", "TrainerConfig",
+    "Config", "ConfigError", "DoesNotFitError", "PlanConfig", "SweepConfig", "TrainerConfig",
     "compose", "data_parallel_size", "describe_compose_error", "gradient_accumulation_steps", "group_options",
     "register_configs", "strategy_class", "tokens_per_step", "total_steps", "validate", "world_size",
 ]

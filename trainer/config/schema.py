@@ -65,6 +65,13 @@ class TrainerConfig:
     rdzv_id: str = "trainer"
     # Restart all workers this many times when one fails (0: the job ends with the failing rank's error).
     max_restarts: int = 0
+    # Before any weight is materialized, compare the planner's estimate of this node's host memory and
+    # each rank's device memory with what the machine has free; when it does not fit, stop with one
+    # line (needed vs available, the planner's suggestions) and exit status 3. false skips the check.
+    preflight: bool = True
+    # Save a checkpoint of the final state (weights and everything a resume needs) into the run's
+    # checkpoint directory when training ends; periodic saves stay opt-in (callbacks=[default,checkpoint]).
+    save_final: bool = True
 
 
 @dataclass

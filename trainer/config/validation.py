@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -244,17 +246,79 @@ def _validate_activation_checkpointing(cfg: DictConfig, policy: "ActivationCheck
         raise _plugin_error("activation_checkpointing", error) from None
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _validate_optimizer_fields(node: DictConfig) -> None:
+    """The fields every built-in optimizer shares, with messages that name the key (torch's own would be a
+    traceback from inside the optimizer's constructor, after the workers started)."""
+    lr = node.get("lr", None)
+    _require(lr is None or (_finite_number(lr) and lr > 0), "optimizer.lr", f"must be positive, got {lr}")
+    wd = node.get("weight_decay", 0.0)
+    _require(_finite_number(wd) and wd >= 0, "optimizer.weight_decay", f"must be >= 0, got {wd}")
+    if "betas" in node:
+        betas = list(node.betas) if node.betas is not None else []
+        _require(len(betas) == 2, "optimizer.betas", f"must be two numbers [beta1, beta2], got {betas}")
+        for index, beta in enumerate(betas):
+            _require(_finite_number(beta) and 0 <= beta < 1, "optimizer.betas",
+                     f"each beta must be in [0, 1), got beta{index + 1}={beta} in {betas}")
+    if "eps" in node:
+        _require(_finite_number(node.eps) and node.eps > 0, "optimizer.eps", f"must be a positive number, got {node.eps}")
+    if "momentum" in node:
+        _require(_finite_number(node.momentum) and node.momentum >= 0, "optimizer.momentum",
+                 f"must be >= 0 (0 disables momentum), got {node.momentum}")
+        _require(not node.get("nesterov", False) or node.momentum > 0, "optimizer.nesterov",
+                 f"nesterov needs optimizer.momentum > 0, got momentum={node.momentum}")
+    if "dampening" in node:
+        _require(_finite_number(node.dampening), "optimizer.dampening", f"must be a number, got {node.dampening}")
+        _require(not node.get("nesterov", False) or node.dampening == 0, "optimizer.nesterov",
+                 f"nesterov needs optimizer.dampening=0, got {node.dampening}")
+
+
 def _validate_optimization(cfg: DictConfig) -> None:
     from hydra.utils import instantiate
 
-    lr = cfg.optimizer.get("lr", None)
-    _require(lr is None or lr > 0, "optimizer.lr", f"must be positive, got {lr}")
-    wd = cfg.optimizer.get("weight_decay", 0.0)
-    _require(wd >= 0, "optimizer.weight_decay", f"must be >= 0, got {wd}")
+    _validate_optimizer_fields(cfg.optimizer)
+    # Whatever else the optimizer class checks (a custom `_target_`'s own options too): build it once on a
+    # stand-in parameter, so its complaint is a one-line config error now.
+    try:
+        import torch
+
+        from trainer.optim import optimizer_factory_from_config
+
+        factory, weight_decay = optimizer_factory_from_config(cfg.optimizer)
+        factory([{"params": [torch.nn.Parameter(torch.zeros(1))], "weight_decay": weight_decay}])
+    except Exception as error:  # noqa: BLE001 - whatever the class refuses (Hydra wraps it) is a config error
+        raise _plugin_error("optimizer", error) from None
     try:
         instantiate(cfg.lr_schedule)(total_steps=total_steps(cfg))
-    except ValueError as error:
-        raise ConfigError("lr_schedule", str(error)) from None
+    except (ValueError, TypeError) as error:
+        raise ConfigError("lr_schedule", str(error).splitlines()[0]) from None
+    except Exception as error:  # noqa: BLE001 - Hydra's InstantiationException around the schedule's own
+        raise _plugin_error("lr_schedule", error) from None
+
+
+def _validate_data_paths(cfg: DictConfig) -> None:
+    """The data source's paths must be readable now, not when a worker first reads them. A source whose
+    constructor only checks its files (the token-file dataset reads meta.json and file sizes; the arrays
+    are memory-mapped lazily) is built once here, so a malformed dataset is one line too."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    node = cfg.data
+    for key in ("path", "root"):
+        value = node.get(key, None)
+        if value is None:
+            continue
+        path = Path(str(value)).expanduser()
+        _require(path.exists(), f"data.{key}", f"{value} does not exist")
+        _require(os.access(path, os.R_OK), f"data.{key}", f"{value} is not readable")
+    if str(node.get("_target_", "")).endswith("TokenFileDataset"):
+        try:
+            instantiate(node)
+        except (OSError, ValueError, InstantiationException) as error:
+            raise _plugin_error("data.path", error) from None
 
 
 def _validate_targets(cfg: DictConfig) -> None:
@@ -305,14 +369,19 @@ def _validate_resume(cfg: DictConfig) -> None:
     if resume not in ("auto", "none"):
         path = Path(resume).expanduser()
         _require(path.exists(), "resume", f"{resume} does not exist (use auto, none or a checkpoint path)")
+        _require(os.access(path, os.R_OK), "resume", f"{resume} is not readable")
         _require((path / MANIFEST).is_file() or bool(complete_checkpoints(path)), "resume",
                  f"{resume} is neither a complete checkpoint ({MANIFEST}) nor a directory of checkpoints")
+        if (path / MANIFEST).is_file():
+            _require(os.access(path / MANIFEST, os.R_OK), "resume", f"{path / MANIFEST} is not readable")
     if cfg.init_from is not None:
         path = Path(str(cfg.init_from)).expanduser()
+        _require(path.exists(), "init_from", f"{cfg.init_from} does not exist")
         hf_model = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
         _require((path / MANIFEST).is_file() or hf_model, "init_from",
                  f"{cfg.init_from} is neither a checkpoint ({MANIFEST}) nor a Hugging Face model directory "
                  "(config.json + *.safetensors)")
+        _require(os.access(path, os.R_OK), "init_from", f"{cfg.init_from} is not readable")
 
 
 def _validate_callbacks(cfg: DictConfig) -> None:
@@ -367,4 +436,6 @@ def validate(cfg: DictConfig) -> None:
     _validate_optimization(cfg)
     _validate_callbacks(cfg)
     _validate_resume(cfg)
+    if cfg.mode != "plan":  # a plan reads no data
+        _validate_data_paths(cfg)
     _validate_data(cfg)

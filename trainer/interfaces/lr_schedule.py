@@ -49,7 +49,9 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         check_int("total_steps", self.total_steps, 1)
-        check_int("warmup_steps", self.warmup_steps, 0, self._max_warmup_steps())
+        # A warmup longer than the run is allowed (a short smoke run with a production schedule): the LR
+        # then ramps for the whole run and never reaches its peak; `warmup_note` says so.
+        check_int("warmup_steps", self.warmup_steps, 0)
         self._validate()
 
     def __call__(self, step: int) -> float:
@@ -64,6 +66,16 @@ class LRSchedule:
     def peak_step(self) -> int:
         """Last warmup step (step 0 without warmup): the first step at multiplier 1."""
         return max(self.warmup_steps - 1, 0)
+
+    def warmup_note(self) -> str | None:
+        """One line when the warmup does not fit in the run (the LR never reaches its peak), else None."""
+        longest = self._max_warmup_steps()
+        if self.warmup_steps <= longest:
+            return None
+        reached = min(self.total_steps, self.warmup_steps) / self.warmup_steps
+        return (f"lr_schedule.warmup_steps={self.warmup_steps} is longer than this schedule allows for a run of "
+                f"{self.total_steps} steps (at most {longest}): the LR warms up for the whole run and reaches "
+                f"{100 * reached:.0f}% of its peak")
 
     def _max_warmup_steps(self) -> int:
         """Largest accepted ``warmup_steps``; decaying schedules need room to decay."""
