@@ -307,7 +307,9 @@ def _validate_data_paths(cfg: DictConfig) -> None:
     from hydra.utils import instantiate
 
     node = cfg.data
-    for key in ("path", "root"):
+    # a Megatron `path` is the prefix of PREFIX.bin / PREFIX.idx, checked with its index by `_validate_data`
+    keys = ("root",) if str(node.get("_target_", "")).endswith("MegatronIndexedDataset") else ("path", "root")
+    for key in keys:
         value = node.get(key, None)
         if value is None:
             continue
