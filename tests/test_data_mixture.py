@@ -212,7 +212,7 @@ def test_bad_data_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path,
     assert err == ("error: data.sources[1]: the validation split of 'mt' has 0 tokens, fewer than one window of "
                    "trainer.seq_len + 1 = 257")
     err = preflight_error(capsys, "data=token_file", f"data.path={tmp_path / 'nothing'}")
-    assert err == f"error: data: token dataset directory not found: {tmp_path / 'nothing'}"
+    assert err == f"error: data.path: {tmp_path / 'nothing'} does not exist"
 
 
 # --------------------------------------------------------------------------- end to end
