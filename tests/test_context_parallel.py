@@ -1,7 +1,8 @@
 """Context parallelism (`cp=N`, trainer/models/context_parallel.py): the sequence layouts, the ring kernel's
 gradient, the planner's accounting, and, in three gloo launches (2, 4 and 8 processes), parity with the
 single-process run for both methods, both model families and cp composed with every other dimension,
-exact resume under cp=2 and a cp=2 checkpoint resumed under cp=1 and under tp x dp."""
+exact resume under cp=2 and a cp=2 checkpoint resumed under cp=1 and under tp x dp. The 2-process launch
+also runs document masking under tp, cp (both methods) and pp."""
 
 from __future__ import annotations
 
@@ -202,12 +203,40 @@ PARITY = {
     "cp2_pp2": (MODEL, ["strategy=pp", "pp=2", "cp=2", "trainer.micro_batch_size=4"], 4),
     "cp2_zero3_dp2": (MODEL, ["strategy=zero3", "cp=2", "trainer.micro_batch_size=4"], 4),
     "cp2_zero2_dp2": (MODEL, ["strategy=zero2", "cp=2", "trainer.micro_batch_size=4"], 4),
+    "cp2_zero1_dp2": (MODEL, ["strategy=zero1", "cp=2", "trainer.micro_batch_size=4"], 4),
+    # hybrid sharding: 2 replicas x 2 shards x cp 2 (each replica shards over dp_shard x cp = 4 ranks)
+    "cp2_hybrid_shard_dp4": (MODEL, ["strategy=fsdp", "strategy.sharding=hybrid_shard", "strategy.dp_replicate=2",
+                                     "cp=2", "trainer.micro_batch_size=2"], 8),
     # 4D on 8 processes: pp2 x tp2 x cp2 (FSDP over the cp ranks), and dp2 x tp2 x cp2 for GPT blocks
     "cp2_tp2_pp2_3d": (MODEL, ["strategy=3d", "pp=2", "tp=2", "cp=2", "trainer.micro_batch_size=4"], 8),
     "gpt_cp2_tp2_dp2_3d": (GPT, ["strategy=3d", "pp=1", "tp=2", "cp=2", "strategy.data_parallel=zero1",
                                  "trainer.micro_batch_size=4"], 8),
 }
 REFERENCES = {"single": MODEL, "single_gpt": GPT, "single_gpt_materialized": GPT_MATERIALIZED}
+# Document masking (trainer/models/documents.py) on packed documents of 3 to 40 tokens, on 2 processes:
+# name: (model, overrides); the references are the single-process masked runs.
+DOCUMENTS = {
+    "docs_tp2": (MODEL, ["strategy=tp", "tp=2"]),
+    "gpt_docs_tp2": (GPT, ["strategy=tp", "tp=2"]),
+    "docs_cp2_ring": (MODEL, ["strategy=ddp", "cp=2"]),
+    "docs_cp2_all_to_all": (MODEL, ["strategy=ddp", "cp=2", *A2A]),
+    "docs_pp2": (MODEL, ["strategy=pp", "pp=2", "trainer.micro_batch_size=4"]),
+}
+DOCUMENT_REFERENCES = {"single_docs": MODEL, "single_gpt_docs": GPT}
+
+
+def document_data(out: Path) -> list[str]:
+    from tests.test_documents import write_documents
+
+    path = out / "documents"
+    if not path.exists():
+        write_documents(path)
+    # 10 steps: a wrong mask shows from the first step; later, Adam amplifies float rounding (its update
+    # m / sqrt(v) is sensitive for rarely seen tokens), and the packed documents' gradients drift past 1e-4
+    # (all_to_all: 2e-4 by step 20, while the losses still agree to 2e-7)
+    loop = [o for o in LOOP if not o.startswith(("data.", "trainer.max_steps", "trainer.val_every"))]
+    return [*loop, "trainer.max_steps=10", "trainer.val_every=5", "data=token_file", f"data.path={path}",
+            "data.document_masking=true"]
 # Exact resume and resharding (the checkpoint tests' 40-step loop): cp=2 alone, then its step-20 checkpoint
 # resumed under tp=2 x dp=2 (ZeRO-1 states over dp) and, in the test, under one process.
 CP2 = ["strategy=ddp", "cp=2", "trainer.devices=2", "trainer.micro_batch_size=8"]
@@ -216,6 +245,8 @@ TP_DP = ["strategy=3d", "strategy.data_parallel=zero1", "tp=2", "pp=1", "trainer
 
 
 def _reference_of(name: str) -> str:
+    if "docs" in name:
+        return "single_gpt_docs" if name.startswith("gpt") else "single_docs"
     if name.startswith("gpt_materialized"):
         return "single_gpt_materialized"
     return "single_gpt" if name.startswith("gpt") else "single"
@@ -231,12 +262,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  for name, (model, strategy, procs) in PARITY.items() if procs == nproc]
         if nproc == 2:
             batch += exact_resume_runs("cp2", CP2, out / "np2")
+            batch += [{"name": name, "overrides": model + document_data(out) + strategy + ["trainer.devices=2"]}
+                      for name, (model, strategy) in DOCUMENTS.items()]
         if nproc == 4:
             batch.append({"name": "tp_dp-from-cp2", "overrides": BASE + TP_DP + [
                 f"resume={half_checkpoint(out / 'np2' / 'cp2-straight')}"]})
         launch_harness(out, nproc, batch)
-    for name, model in REFERENCES.items():
-        trainer = build_trainer(compose(model + LOOP), out / name)
+    references = {name: model + LOOP for name, model in REFERENCES.items()}
+    references.update({name: model + document_data(out) for name, model in DOCUMENT_REFERENCES.items()})
+    for name, overrides in references.items():
+        trainer = build_trainer(compose(overrides), out / name)
         trainer.fit()
         torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / name / "weights.pt")
     return out
@@ -259,6 +294,21 @@ def test_context_parallel_matches_the_single_process_run(runs: Path, name: str) 
     reference = torch.load(single / "weights.pt", weights_only=True)
     weights = torch.load(run_dir / "weights.pt", weights_only=True)
     assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DOCUMENTS))
+def test_document_masking_under_tp_cp_and_pp_matches_the_single_process_run(runs: Path, name: str) -> None:
+    """Packed documents kept apart: the same losses, gradient norms and weights as one process (which gives
+    each document what it gets alone: tests/test_documents.py), 10 steps."""
+    run_dir, single = runs / "np2" / name, runs / _reference_of(name)
+    assert len(_column(single, "train_loss")) == 10
+    for metric in ("train_loss", "grad_norm", "val_loss"):
+        assert _column(run_dir, metric) == pytest.approx(_column(single, metric), rel=1e-4), metric
+    reference = torch.load(single / "weights.pt", weights_only=True)
+    weights = torch.load(run_dir / "weights.pt", weights_only=True)
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
 

@@ -18,8 +18,10 @@ from trainer.checkpoint import checkpoint_directory, resume, save_checkpoint
 from trainer.checkpoint.manifest import is_checkpoint, remove_partial_saves, step_dirname
 from trainer.config import ConfigError, tokens_per_step, total_steps, validate
 from trainer.data import build_loaders
+from trainer.data.config import source_config
 from trainer.hardware import peak_flops_with_note, reset_peak_memory
 from trainer.launch import agree_on_run_dir
+from trainer.interfaces.strategy import Strategy
 from trainer.loop import Trainer
 from trainer.models import build_meta_model
 
@@ -36,17 +38,26 @@ def build_loggers(cfg: DictConfig, run_dir: Path, start_step: int = 0) -> list[A
     return [instantiate(node)(run_dir=run_dir, start_step=start_step) for node in logger_cfgs.values()]
 
 
-def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> tuple[Any, Any]:
+def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
+               strategy: Strategy | None = None) -> tuple[Any, Any]:
+    """The training loader and validation set (each rank its slice); under document masking the
+    `strategy` learns the source's end-of-document id (it derives each micro-batch's documents)."""
     from hydra.errors import InstantiationException
 
     try:
-        source = instantiate(cfg.data)
+        source = instantiate(source_config(cfg.data))
     except (OSError, ValueError, InstantiationException) as error:  # validation checked it; files can change
         cause = error.__cause__ if isinstance(error, InstantiationException) and error.__cause__ else error
         raise ConfigError("data", str(cause).splitlines()[0]) from error
     if source.vocab_size > vocab_size:
         raise ConfigError("data", f"the data has {source.vocab_size} token ids but model.vocab_size is "
                                   f"{vocab_size}: pick a model whose vocabulary covers the data")
+    if cfg.data.document_masking:
+        if getattr(source, "eos_id", None) is None:
+            raise ConfigError("data.document_masking", f"the data ({type(source).__name__}) has no "
+                                                       "end-of-document token, so its documents cannot be told apart")
+        if strategy is not None:
+            strategy.document_eos_id = int(source.eos_id)
     t = cfg.trainer
     # The validation set is val_batches global batches whatever the parallelism, so val losses of
     # different strategies and world sizes are comparable; each rank evaluates its slice (per source
@@ -80,7 +91,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     warmup_note = schedule.warmup_note()
     if warmup_note is not None and strategy.is_global_zero:
         log.warning(f"warning: {warmup_note}")
-    train_loader, val_set = build_data(cfg, model.config.vocab_size, strategy.dp_rank, strategy.dp_size)
+    train_loader, val_set = build_data(cfg, model.config.vocab_size, strategy.dp_rank, strategy.dp_size, strategy)
 
     if strategy.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -110,11 +110,12 @@ class DDP(DistributedStrategy):
         (ddp,) = model_parts
         total = torch.zeros((), device=self.device)
         last = len(microbatches) - 1
-        for index, (inputs, targets) in enumerate(microbatches):
+        for index, (inputs, targets, *doc_ids) in enumerate(microbatches):
             # all-reduce only once the last micro-batch's gradient has been accumulated
             sync = contextlib.nullcontext() if index == last else ddp.no_sync()  # type: ignore[operator]
             with sync:
-                total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), on_before_backward)
+                total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), on_before_backward,
+                                                  *doc_ids)
         return total
 
 

@@ -188,10 +188,12 @@ class DistributedStrategy(Strategy):
                 module.rng_stream += offset
 
     def local_batches(self, microbatches: Sequence[MicroBatch]) -> Sequence[MicroBatch]:
+        # document ids from the whole sequence, before context parallelism keeps this rank's tokens
+        microbatches = super().local_batches(microbatches)
         if self.context_parallel is None:
             return microbatches
         shard = self.context_parallel.shard
-        return [(shard(inputs), shard(targets)) for inputs, targets in microbatches]
+        return [(shard(inputs), shard(targets), *doc_ids) for inputs, targets, *doc_ids in microbatches]
 
     def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
                          on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -183,12 +183,14 @@ class Pipeline:
         self._recorded_losses = []
         args: tuple[torch.Tensor, ...] = ()
         if self.holds_first_stage:  # the schedule cuts the local batch back into the same micro-batches
-            args = (torch.cat([x for x, _ in microbatches]).to(self.device, non_blocking=True),)
+            args = (torch.cat([batch[0] for batch in microbatches]).to(self.device, non_blocking=True),)
         target = None
         losses: list[torch.Tensor] | None = None
         if self.holds_last_stage:
-            target = torch.cat([y for _, y in microbatches]).to(self.device, non_blocking=True)
+            target = torch.cat([batch[1] for batch in microbatches]).to(self.device, non_blocking=True)
             losses = []
+        for stage in self.stages:  # document masking: each stage reads its micro-batch's ids (every rank has them)
+            stage.chunk_doc_ids = [batch[2].to(self.device) if len(batch) > 2 else None for batch in microbatches]
         if train:
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:

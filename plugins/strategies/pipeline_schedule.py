@@ -134,6 +134,14 @@ class PrecisionStage(PipelineStage):
     def __init__(self, *args: Any, autocast: Callable[[], ContextManager[Any]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._autocast = autocast
+        # Under document masking, the document ids of each micro-batch of the step (set by the pipeline):
+        # a stage receives only hidden states, so the ids reach its model as `pipeline_doc_ids`.
+        self.chunk_doc_ids: list[Any] = []
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if fwd_chunk_id < len(self.chunk_doc_ids):
+            self.submod.pipeline_doc_ids = self.chunk_doc_ids[fwd_chunk_id]
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         with self._autocast():

@@ -109,7 +109,8 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     # kept as a DTensor (use_local_output=False) so that its shape stays global: the Llama reads the
     # sequence length from it to slice the RoPE table.
     residual = Shard(1) if sequence_parallel else Replicate()
-    attention_inputs = (residual, None) if hasattr(block.attention, "wq") else (residual,)  # Llama: (x, rope)
+    # Llama: (x, rope, doc_ids); GPT: (x, doc_ids) (doc_ids: None without document masking)
+    attention_inputs = (residual, None, None) if hasattr(block.attention, "wq") else (residual, None)
     plan: dict[str, ParallelStyle] = {
         # all-gather of the sequence-sharded normed input before the column-parallel projections
         "attention": PrepareModuleInput(input_layouts=attention_inputs,

@@ -317,8 +317,10 @@ def _validate_data_paths(cfg: DictConfig) -> None:
         _require(path.exists(), f"data.{key}", f"{value} does not exist")
         _require(os.access(path, os.R_OK), f"data.{key}", f"{value} is not readable")
     if str(node.get("_target_", "")).endswith("TokenFileDataset"):
+        from trainer.data.config import source_config
+
         try:
-            instantiate(node)
+            instantiate(source_config(node))
         except (OSError, ValueError, InstantiationException) as error:
             raise _plugin_error("data.path", error) from None
 
@@ -408,6 +410,9 @@ def _validate_data(cfg: DictConfig) -> None:
     other and with the model (trainer.data.check_data reads headers only). A plan reads no data."""
     if cfg.mode == "plan":
         return
+    _require(not (cfg.data.document_masking and str(cfg.data._target_).endswith("StdlibCorpus")),
+             "data.document_masking", "data=stdlib has no document boundaries (no end-of-document token): use "
+             "data=token_file with a corpus prepared with --append-eos, or data=megatron / nanogpt / mixture")
     from trainer.data import DataSourceError, check_data
 
     try:

@@ -53,13 +53,14 @@ def check_data(data_cfg: Any, model_vocab_size: int, seq_len: int | None = None)
     from hydra.utils import get_object
     from omegaconf import OmegaConf
 
+    from trainer.data.config import source_config
     from trainer.data.formats import MegatronIndexedDataset, NanoGPTDataset
     from trainer.data.token_file import TokenFileDataset
 
     cls = get_object(data_cfg._target_)
     if cls not in (TokenFileDataset, MegatronIndexedDataset, NanoGPTDataset, MixtureData):
         return
-    kwargs = OmegaConf.to_container(data_cfg, resolve=True)
+    kwargs = OmegaConf.to_container(source_config(data_cfg), resolve=True)
     assert isinstance(kwargs, dict)
     kwargs.pop("_target_", None)
     try:
@@ -71,6 +72,9 @@ def check_data(data_cfg: Any, model_vocab_size: int, seq_len: int | None = None)
     if source.vocab_size > model_vocab_size:
         raise DataSourceError("data", f"the data has {source.vocab_size} token ids but model.vocab_size is "
                                       f"{model_vocab_size}: pick a model whose vocabulary covers the data")
+    if data_cfg.get("document_masking", False) and source.eos_id is None:
+        raise DataSourceError("data.document_masking", "the data has no end-of-document token (eos_id), so its "
+                                                       "documents cannot be told apart: prepare it with --append-eos")
     if seq_len is None:
         return
     named = (list(zip(source.names, source.sources, [f"data.sources[{i}]" for i in range(len(source.names))]))

@@ -7,14 +7,35 @@ This module deliberately imports nothing heavy (no torch, no numpy).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-__all__ = ["SCHEMAS", "StdlibDataConfig", "TokenFileDataConfig", "MegatronDataConfig", "NanoGPTDataConfig",
+__all__ = ["SCHEMAS", "DataOptions", "source_config", "DATA_OPTIONS", "StdlibDataConfig", "TokenFileDataConfig", "MegatronDataConfig", "NanoGPTDataConfig",
            "SourceConfig", "ScheduleEntry", "MixtureDataConfig"]
 
 
 @dataclass
-class StdlibDataConfig:
+class DataOptions:
+    """Options of every data source that the loop, not the source, acts on (`source_config` drops them
+    before the source is built)."""
+
+    # Packed sequences without crosstalk: attention stays inside each document (documents end with the
+    # source's end-of-document token) and positions restart at every document (trainer/models/documents.py).
+    document_masking: bool = False
+
+
+def source_config(data_cfg: Any) -> Any:
+    """The data node without the `DataOptions` fields: what the source class is built from."""
+    from omegaconf import OmegaConf
+
+    keys = [key for key in data_cfg.keys() if key not in DATA_OPTIONS]
+    return OmegaConf.masked_copy(data_cfg, keys)
+
+
+DATA_OPTIONS = ("document_masking",)
+
+
+@dataclass
+class StdlibDataConfig(DataOptions):
     """Byte-level corpus built from the running interpreter's standard library.
 
     Fields:
@@ -39,7 +60,7 @@ class StdlibDataConfig:
 
 
 @dataclass
-class TokenFileDataConfig:
+class TokenFileDataConfig(DataOptions):
     """Pre-tokenized dataset written by ``python -m trainer.data.prepare``.
 
     Fields:
@@ -54,7 +75,7 @@ class TokenFileDataConfig:
 
 
 @dataclass
-class MegatronDataConfig:
+class MegatronDataConfig(DataOptions):
     """A Megatron-LM indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``) read as it is.
 
     Fields:
@@ -75,7 +96,7 @@ class MegatronDataConfig:
 
 
 @dataclass
-class NanoGPTDataConfig:
+class NanoGPTDataConfig(DataOptions):
     """nanoGPT's ``train.bin``/``val.bin`` (uint16 ids) read as they are.
 
     Fields:
@@ -131,7 +152,7 @@ class ScheduleEntry:
 
 
 @dataclass
-class MixtureDataConfig:
+class MixtureDataConfig(DataOptions):
     """``data=mixture``: global batches drawn from several sources in proportion to their weights.
 
     Fields:

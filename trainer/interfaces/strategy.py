@@ -21,10 +21,12 @@ from omegaconf import DictConfig
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
 from trainer.loss import cross_entropy_loss
+from trainer.models.documents import document_ids
 from trainer.optim import optimizer_from_config
 from trainer.parallel_dims import ParallelDims
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+# (inputs, targets), or (inputs, targets, doc_ids) under document masking (`Strategy.local_batches`).
+MicroBatch = tuple[torch.Tensor, ...]
 
 
 def resolve_device(accelerator: str, local_rank: int = 0) -> torch.device:
@@ -37,6 +39,13 @@ def resolve_device(accelerator: str, local_rank: int = 0) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def forward(model: nn.Module, inputs: torch.Tensor, doc_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The model's logits, with the documents' ids when document masking is on."""
+    if doc_ids is None:
+        return model(inputs)
+    return model(inputs, doc_ids.to(device, non_blocking=True))
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -68,6 +77,8 @@ class Strategy:
         self.parallel_dims: ParallelDims | None = None
         # The number format of every step; `connect_precision` replaces the fp32 identity.
         self.precision: Precision = Precision()
+        # The end-of-document id under document masking (`data.document_masking=true`), else None.
+        self.document_eos_id: int | None = None
 
     def connect_precision(self, precision: Precision) -> None:
         """Hand the strategy the precision plugin it uses for the whole run (before `setup_model`)."""
@@ -193,8 +204,11 @@ class Strategy:
     # ---- step ---------------------------------------------------------------------------------------
     def local_batches(self, microbatches: Sequence[MicroBatch]) -> Sequence[MicroBatch]:
         """This rank's part of each (inputs, targets) micro-batch the loader gives its data-parallel rank:
-        all of it, except under context parallelism (its tokens of every sequence)."""
-        return microbatches
+        all of it, except under context parallelism (its tokens of every sequence). Under document masking
+        each becomes (inputs, targets, doc_ids), the ids of the whole sequence's documents."""
+        if self.document_eos_id is None:
+            return microbatches
+        return [(inputs, targets, document_ids(inputs, self.document_eos_id)) for inputs, targets, *_ in microbatches]
 
     def forward_backward(
         self,
@@ -205,20 +219,22 @@ class Strategy:
         """Accumulate gradients over the micro-batches; return the mean loss of this rank (detached)."""
         (model,) = model_parts
         total = torch.zeros((), device=self.device)
-        for inputs, targets in microbatches:
-            total += self.microbatch_backward(model, inputs, targets, len(microbatches), on_before_backward)
+        for inputs, targets, *doc_ids in microbatches:
+            total += self.microbatch_backward(model, inputs, targets, len(microbatches), on_before_backward,
+                                              *doc_ids)
         return total
 
     def microbatch_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                             num_microbatches: int,
-                            on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                            on_before_backward: Callable[[torch.Tensor], None] | None = None,
+                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss divided by the number of micro-batches
         so that the accumulated gradient is the gradient of the mean loss (they hold equal token
         counts). Returns that divided loss, detached."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         with self.precision.autocast():
-            logits = model(inputs)
+            logits = forward(model, inputs, doc_ids, self.device)
         loss = cross_entropy_loss(logits, targets) / num_microbatches
         if on_before_backward is not None:
             on_before_backward(loss)
@@ -231,9 +247,9 @@ class Strategy:
         (model,) = model_parts
         model.eval()
         total = torch.zeros((), device=self.device)
-        for inputs, targets in batches:
+        for inputs, targets, *doc_ids in batches:
             with self.precision.autocast():
-                logits = model(inputs.to(self.device))
+                logits = forward(model, inputs.to(self.device), doc_ids[0] if doc_ids else None, self.device)
             total += cross_entropy_loss(logits, targets.to(self.device))
         model.train()
         return self.reduce_mean(total / len(batches)).item()

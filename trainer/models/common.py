@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from trainer.models.context_parallel import ContextParallel
+from trainer.models.documents import document_positions
 
 
 def require_divisible(numerator: int, denominator: int, what: str) -> None:
@@ -101,6 +102,15 @@ class CausalLM(nn.Module):
     # The context-parallel group when each sequence is split over ranks (`enable_context_parallel`):
     # the model then holds only its tokens of each sequence, at `positions`.
     context_parallel: Optional[ContextParallel] = None
+
+    # Under pipeline parallelism and document masking: the document ids of the micro-batch a stage runs
+    # (set by the pipeline for each micro-batch, as a stage receives only hidden states).
+    pipeline_doc_ids: Optional[torch.Tensor] = None
+
+    def document_positions(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """`[B, S_local]` position of this rank's tokens in their documents, from the whole sequence's ids."""
+        positions = document_positions(doc_ids)
+        return positions if self.context_parallel is None else self.context_parallel.shard(positions)
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of the `local_len` tokens this rank holds of each sequence."""

@@ -34,6 +34,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from trainer.models.documents import document_mask
+
 METHODS: tuple[str, ...] = ("ring", "all_to_all")
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -109,18 +111,19 @@ class ContextParallel:
         return shard_sequence(tensor, self.rank, self.size, self.balanced, dim)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local_attention: LocalAttention, *,
-                  dropout_p: float = 0.0) -> torch.Tensor:
+                  dropout_p: float = 0.0, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries `[B, H, S/cp, D]` over the whole sequence's keys/values
         (`[B, Hkv, S/cp, D]` held here, grouped-query when Hkv < H).
 
-        `local_attention(q, k, v)` is the model's own causal attention on whole sequences; the all-to-all
-        method runs it on its head groups. The ring runs its own blockwise kernels (with `dropout_p`; a
-        dropout seed is drawn from the current random stream).
+        `local_attention(q, k, v[, doc_ids])` is the model's own causal attention on whole sequences; the
+        all-to-all method runs it on its head groups. The ring runs its own blockwise kernels (with
+        `dropout_p`; a dropout seed is drawn from the current random stream). `doc_ids` (`[B, S]`, the whole
+        sequence's document ids) keeps attention inside documents.
         """
         if self.method == "all_to_all":
-            return ulysses_attention(q, k, v, self.group, local_attention)
+            return ulysses_attention(q, k, v, self.group, local_attention, doc_ids)
         seed = int(torch.randint(0, 2**62, (1,))) if dropout_p > 0 else 0
-        return _RingAttention.apply(q, k, v, self, dropout_p, seed)
+        return _RingAttention.apply(q, k, v, self, dropout_p, seed, doc_ids)
 
 
 def enable_context_parallel(model: torch.nn.Module, context: ContextParallel | None) -> None:
@@ -170,7 +173,7 @@ def _heads_view_of_tokens_major(like: torch.Tensor, heads: int | None = None, se
 
 @torch._dynamo.disable  # collectives inside: keep a compiled block's graph around it
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                      local_attention: LocalAttention) -> torch.Tensor:
+                      local_attention: LocalAttention, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence shards of all heads -> the whole sequence of heads/cp heads -> `local_attention` -> back.
 
     Query heads must divide by cp. Key/value heads that do not (grouped-query attention with fewer K/V
@@ -181,7 +184,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     repeat = kv_head_repeat(q.shape[1], k.shape[1], cp)
     k, v = _expand_kv(k, repeat), _expand_kv(v, repeat)
     whole = [_AllToAll.apply(t, group, 1, 2) for t in (q, k, v)]
-    out = local_attention(*whole)
+    out = local_attention(*whole) if doc_ids is None else local_attention(*whole, doc_ids)
     return _AllToAll.apply(out, group, 2, 1)
 
 
@@ -219,6 +222,14 @@ class _Ring:
         return received
 
 
+def _pair_mask(doc_ids: torch.Tensor | None, q_chunk: int, k_chunk: int, chunks: int) -> torch.Tensor | None:
+    """Document mask of one chunk pair (None without document masking), from the whole sequence's ids."""
+    if doc_ids is None:
+        return None
+    q_ids, k_ids = doc_ids.chunk(chunks, 1)[q_chunk], doc_ids.chunk(chunks, 1)[k_chunk]
+    return document_mask(q_ids, k_ids, causal=q_chunk == k_chunk)
+
+
 def _block_pairs(q_ids: tuple[int, ...], k_ids: tuple[int, ...]) -> list[tuple[int, int, bool]]:
     """(query chunk slot, key chunk slot, causal) for every pair that is not entirely in the future: key
     chunks before the query chunk are seen whole, the same chunk through the causal (diagonal) mask."""
@@ -249,22 +260,37 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    scores = (_acc(q) @ _acc(k).transpose(-2, -1)) * scale
+    if mask is not None:
+        return scores.masked_fill(~mask, float("-inf"))
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """-inf (a row that sees nothing) as 0, so that exp(-inf - lse) is 0 rather than nan."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
 def _use_flash(q: torch.Tensor, dropout_p: float) -> bool:
     return q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in (torch.float32, torch.bfloat16)
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query block over one key/value block: (output fp32, log-sum-exp fp32)."""
-    if _use_flash(q, dropout_p):
+                   dropout_p: float, seed: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query block over one key/value block: (output fp32, log-sum-exp fp32). `mask`
+    (`[B, 1, Sq, Sk]`, True = may attend; the causal part included) replaces `causal`; a query that may
+    attend no key of the block gets output 0 and log-sum-exp -inf."""
+    if mask is None and _use_flash(q, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
-    scores = (_acc(q) @ _acc(k).transpose(-2, -1)) * scale
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+    scores = _masked_scores(q, k, causal, scale, mask)
     lse = scores.logsumexp(-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     if dropout_p > 0:
         probs = probs * _dropout_scale(probs.shape, dropout_p, seed, q.device)
     return probs @ _acc(v), lse
@@ -272,19 +298,16 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-                    seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    seed: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block pair given the merged output and log-sum-exp of the query block (flash
     attention's backward: P = exp(S - lse), dS = P * (dP - rowsum(dO * O)))."""
-    if _use_flash(q, dropout_p):
+    if mask is None and _use_flash(q, dropout_p):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
         return dq.float(), dk.float(), dv.float()
     qf, kf, vf, doutf = _acc(q), _acc(k), _acc(v), _acc(dout)
-    scores = (qf @ kf.transpose(-2, -1)) * scale
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    scores = _masked_scores(q, k, causal, scale, mask)
+    probs = torch.exp(scores - lse.unsqueeze(-1))  # the merged lse: finite (a token sees itself)
     dprobs = doutf @ vf.transpose(-2, -1)
     if dropout_p > 0:
         mask = _dropout_scale(probs.shape, dropout_p, seed, q.device)
@@ -302,7 +325,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel,  # type: ignore[override]
-                dropout_p: float, seed: int) -> torch.Tensor:
+                dropout_p: float, seed: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         cp, rank = context.size, context.rank
         scale = 1.0 / math.sqrt(q.shape[-1])
         groups = q.shape[1] // k.shape[1]
@@ -321,7 +344,8 @@ class _RingAttention(torch.autograd.Function):
             for a, b, causal in _block_pairs(q_ids, k_ids):
                 block_seed = seed + q_ids[a] * 2 * cp + k_ids[b]
                 out, lse = _block_forward(q_blocks[a], _expand_kv(k_blocks[b], groups),
-                                          _expand_kv(v_blocks[b], groups), causal, scale, dropout_p, block_seed)
+                                          _expand_kv(v_blocks[b], groups), causal, scale, dropout_p, block_seed,
+                                          _pair_mask(doc_ids, q_ids[a], k_ids[b], 2 * cp))
                 outs[a], lses[a] = _merge(outs[a], lses[a], out, lse)
             if pending is not None:
                 kv = ring.finish(pending)
@@ -329,14 +353,14 @@ class _RingAttention(torch.autograd.Function):
         for a, block in enumerate(outs):
             out[:, :, a * q_blocks[0].shape[2]:(a + 1) * q_blocks[0].shape[2]] = block
         lse = torch.cat(lses, 2)  # type: ignore[arg-type]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, doc_ids)
         # weakly, as in _AllToAll
         ctx.context, ctx.dropout_p, ctx.seed, ctx.scale = weakref.ref(context), dropout_p, seed, scale
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, doc_ids = ctx.saved_tensors
         context: ContextParallel = ctx.context()
         cp, rank = context.size, context.rank
         groups = q.shape[1] // k.shape[1]
@@ -359,7 +383,8 @@ class _RingAttention(torch.autograd.Function):
                 block_seed = ctx.seed + q_ids[a] * 2 * cp + k_ids[b]
                 dq, dk, dv = _block_backward(dout_blocks[a], q_blocks[a], _expand_kv(k_blocks[b], groups),
                                              _expand_kv(v_blocks[b], groups), out_blocks[a], lse_blocks[a],
-                                             causal, ctx.scale, ctx.dropout_p, block_seed)
+                                             causal, ctx.scale, ctx.dropout_p, block_seed,
+                                             _pair_mask(doc_ids, q_ids[a], k_ids[b], 2 * cp))
                 dq_blocks[a] += dq
                 dk_blocks[b].add_(_reduce_kv(dk, groups))
                 dv_blocks[b].add_(_reduce_kv(dv, groups))
@@ -369,7 +394,7 @@ class _RingAttention(torch.autograd.Function):
             if cp > 1:
                 dkv = ring.finish(ring.start(dkv))
         dq = torch.cat(dq_blocks, 2).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
@@ -378,5 +403,6 @@ def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.
     if out is None or lse is None:
         return block_out, block_lse
     merged = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+    base = _finite(merged)  # rows that have seen nothing yet (document masking) stay 0 with lse -inf
+    out = out * torch.exp(lse - base).unsqueeze(-1) + block_out * torch.exp(block_lse - base).unsqueeze(-1)
     return out, merged

@@ -19,6 +19,7 @@ from trainer.models.common import (
     rng_stream,
 )
 from trainer.models.context_parallel import ContextParallel
+from trainer.models.documents import document_mask
 
 ATTN_IMPLS: tuple[str, ...] = ("sdpa", "materialized")
 
@@ -84,9 +85,10 @@ class GPTConfig:
 
 
 def materialized_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, doc_ids: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """``dropout(softmax(q k^T / sqrt(d) + causal mask)) @ v`` on ``[B, H, S, D]`` inputs.
+    """``dropout(softmax(q k^T / sqrt(d) + causal mask)) @ v`` on ``[B, H, S, D]`` inputs (with ``doc_ids``,
+    the mask also keeps each token inside its document).
 
     Autograd saves exactly what Korthikanti et al. count: q and k for the score matmul,
     the softmax output, the dropout mask and output, and v.
@@ -94,9 +96,12 @@ def materialized_causal_attention(
     seq_len, head_dim = q.shape[-2], q.shape[-1]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
     # Adding a constant -inf bias saves nothing for backward (masked_fill would save a mask).
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
-    bias = torch.zeros(seq_len, seq_len, dtype=scores.dtype, device=q.device)
-    scores = scores + bias.masked_fill(future, float("-inf"))
+    if doc_ids is None:
+        hidden = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+    else:
+        hidden = ~document_mask(doc_ids, doc_ids)
+    bias = torch.zeros(hidden.shape, dtype=scores.dtype, device=q.device)
+    scores = scores + bias.masked_fill(hidden, float("-inf"))
     probs = scores.softmax(dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
@@ -121,19 +126,25 @@ class CoreAttention(nn.Module):
     # Set under context parallelism: q, k, v then hold this rank's tokens only (see context_parallel.py).
     context_parallel: Optional[ContextParallel] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         dropout_p = self.dropout if self.training else 0.0
         with rng_stream(self.rng_stream if dropout_p else 0, q.device):
             if self.context_parallel is not None:
-                return self.context_parallel.attention(q, k, v, self.local_attention, dropout_p=dropout_p)
-            return self.local_attention(q, k, v)
+                return self.context_parallel.attention(q, k, v, self.local_attention, dropout_p=dropout_p,
+                                                       doc_ids=doc_ids)
+            return self.local_attention(q, k, v, doc_ids)
 
-    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over whole sequences (dropout drawn from the caller's random stream)."""
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal attention over whole sequences (dropout drawn from the caller's random stream); with
+        `doc_ids` ([B, S]) only within each document."""
         dropout_p = self.dropout if self.training else 0.0
         if self.attn_impl == "materialized":
-            return materialized_causal_attention(q, k, v, dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return materialized_causal_attention(q, k, v, dropout_p, doc_ids)
+        if doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids, doc_ids), dropout_p=dropout_p)
 
 
 class Attention(nn.Module):
@@ -153,11 +164,11 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention(config.attn_impl, config.dropout)
         self.wo = nn.Linear(config.dim, config.dim, bias=config.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         qkv = self.wqkv(x).view(batch, seq_len, -1, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
-        out = self.core_attention(q, k, v)
+        out = self.core_attention(q, k, v, doc_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -192,8 +203,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
         self.dropout = StreamDropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.dropout(self.attention(self.attention_norm(x), doc_ids))
         return h + self.dropout(self.feed_forward(self.ffn_norm(h)))
 
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -233,7 +244,7 @@ class GPT(CausalLM):
     def _attention_dim(self) -> int:
         return self.config.dim
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.tok_embeddings is None:
             if self.pos_embeddings is not None:
                 raise ValueError(
@@ -250,15 +261,21 @@ class GPT(CausalLM):
         if self.pos_embeddings is not None:
             # [1, S]: dim 1 is the sequence, as in h (tensor parallelism shards both there); under context
             # parallelism this rank's tokens at their global positions
-            positions = self.positions(local_len, tokens.device).unsqueeze(0)
+            if doc_ids is None:
+                positions = self.positions(local_len, tokens.device).unsqueeze(0)
+            else:  # [B, S]: each token's position in its document
+                positions = self.document_positions(doc_ids)
             h = h + self.pos_embeddings(positions)
         return self.emb_dropout(h)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` on a later pipeline stage)."""
-        h = self._embed(tokens)
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` on a later pipeline stage). ``doc_ids``
+        (``[B, S]`` of the whole sequence, `trainer.models.documents`): attention within documents only,
+        positions restarting at each; a pipeline stage reads them from ``pipeline_doc_ids``."""
+        doc_ids = self.pipeline_doc_ids if doc_ids is None else doc_ids
+        h = self._embed(tokens, doc_ids)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

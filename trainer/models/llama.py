@@ -23,6 +23,7 @@ from trainer.models.common import (
     require_positive,
 )
 from trainer.models.context_parallel import ContextParallel
+from trainer.models.documents import document_mask
 
 
 @dataclass
@@ -123,9 +124,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[B, S, H, D]`` with ``rope_cache[:S]`` of shape ``[S, 2D]``."""
+    """Rotate ``x`` of shape ``[B, S, H, D]`` with ``rope_cache[:S]`` of shape ``[S, 2D]`` (or ``[B, S, 2D]``:
+    each sequence's own positions, as document masking restarts them)."""
     cos, sin = rope_cache.float().chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     # Rotating in fp32 keeps large positions accurate when activations are bf16.
     x32 = x.float()
     return (x32 * cos + _rotate_half(x32) * sin).type_as(x)
@@ -148,15 +153,20 @@ class CoreAttention(nn.Module):
         # flag outright, and plain multi-head attention should keep all of them eligible.
         self.grouped = grouped
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.context_parallel is not None:
-            return self.context_parallel.attention(q, k, v, self.local_attention)
-        return self.local_attention(q, k, v)
+            return self.context_parallel.attention(q, k, v, self.local_attention, doc_ids=doc_ids)
+        return self.local_attention(q, k, v, doc_ids)
 
-    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over whole sequences."""
-        grouped = q.shape[1] != k.shape[1]  # all_to_all context parallelism may repeat K/V heads
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped and grouped)
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal attention over whole sequences; with `doc_ids` ([B, S]) only within each document."""
+        grouped = self.grouped and q.shape[1] != k.shape[1]  # all_to_all context parallelism may repeat K/V heads
+        if doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        mask = document_mask(doc_ids, doc_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
 
 
 class Attention(nn.Module):
@@ -173,7 +183,8 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention(grouped=self.n_kv_heads != self.n_heads)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv hold only this rank's heads (n_heads / tp).
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
@@ -181,7 +192,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.core_attention(q, k, v)
+        out = self.core_attention(q, k, v, doc_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -218,8 +229,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -270,20 +282,25 @@ class Llama(CausalLM):
                 self.rope_cache = self._compute_rope_cache(cache.device)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` on a later pipeline stage)."""
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` on a later pipeline stage). ``doc_ids``
+        (``[B, S]`` of the whole sequence, `trainer.models.documents`): attention within documents only,
+        positions restarting at each; a pipeline stage reads them from ``pipeline_doc_ids``."""
+        doc_ids = self.pipeline_doc_ids if doc_ids is None else doc_ids
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         local_len = h.shape[1]
         if self.sequence_length(local_len) > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {self.sequence_length(local_len)} exceeds max_seq_len {self.config.max_seq_len}"
             )
-        if self.context_parallel is None:
+        if doc_ids is not None:  # each token at its position in its document: [B, S, 2 x head_dim]
+            rope_cache = self.rope_cache[self.document_positions(doc_ids)]
+        elif self.context_parallel is None:
             rope_cache = self.rope_cache[:local_len]
         else:  # this rank's tokens sit at their global positions
             rope_cache = self.rope_cache[self.positions(local_len, self.rope_cache.device)]
         for layer in self.layers.values():
-            h = layer(h, rope_cache)
+            h = layer(h, rope_cache, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
