@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from trainer.data.config import source_config
 from trainer.cli import preflight
 from trainer.config import CONF_DIR, compose, group_options, total_steps, validate
 from trainer.data.prepare import prepare
@@ -86,7 +87,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str, token_d
         return
     validate(cfg)
     if group == "data":
-        source = instantiate(node)
+        source = instantiate(source_config(node))  # the node less the loop's options (document_masking)
         for one in getattr(source, "sources", [source]):  # a mixture's sources
             assert len(one.train_tokens()) > 0 and len(one.val_tokens()) > 0
     elif group == "optimizer":

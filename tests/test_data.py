@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import trainer.data.prepare as prep
+from trainer.data.config import source_config
 from trainer.data import StatefulLoader, StdlibCorpus, TokenFileDataset, TokenWindows, val_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -457,11 +458,11 @@ def test_hydra_configs_compose_and_instantiate(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONF_DATA.parent), version_base=None):
         cfg = compose(overrides=["+data=stdlib", "data.max_bytes=100000"])
         assert cfg.data.val_fraction == 0.05 and cfg.data.include_tests is False
-        corpus = instantiate(cfg.data)
+        corpus = instantiate(source_config(cfg.data))
         assert isinstance(corpus, StdlibCorpus) and corpus.train_tokens().size == 100_000
 
         cfg = compose(overrides=["+data=token_file", f"data.path={tmp_path / 'ds'}"])
-        ds = instantiate(cfg.data)
+        ds = instantiate(source_config(cfg.data))
         assert isinstance(ds, TokenFileDataset) and ds.num_tokens["train"] > 0
         with pytest.raises(Exception, match="max_bytes"):
             compose(overrides=["+data=stdlib", "data.max_bytes=lots"])
