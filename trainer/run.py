@@ -61,6 +61,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     # Built on the meta device: nothing is allocated until the strategy has placed it.
     model = build_meta_model(OmegaConf.to_object(cfg.model))
     num_params = model.num_params()
+    num_active_params = model.num_active_params()
     flops_per_token = model.flops_per_token(t.seq_len)
     model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), t.compile)
 
@@ -78,7 +79,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         except NotImplementedError:  # Lightning's CSVLogger; the resolved config is in config.yaml
             pass
-    log.info(f"model {cfg.model.name}: {num_params:,} parameters; {steps} steps of "
+    active = f" ({num_active_params:,} active per token)" if num_active_params != num_params else ""
+    log.info(f"model {cfg.model.name}: {num_params:,} parameters{active}; {steps} steps of "
              f"{tokens_per_step(cfg):,} tokens; run dir {run_dir}")
 
     trainer = Trainer(
@@ -92,6 +94,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         total_steps=steps,
         tokens_per_step=tokens_per_step(cfg),
         num_params=num_params,
+        num_active_params=num_active_params,
         flops_per_token=flops_per_token,
         peak_flops=t.peak_flops or peak_flops(strategy.device, strategy.precision.compute_dtype),
         callbacks=[instantiate(node) for node in cfg.callbacks.values()],

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
 from trainer.loss import cross_entropy_loss
+from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.optim import optimizer_from_config
 from trainer.parallel_dims import ParallelDims
 
@@ -222,8 +223,16 @@ class Strategy:
         loss = cross_entropy_loss(logits, targets) / num_microbatches
         if on_before_backward is not None:
             on_before_backward(loss)
-        self.precision.scale_loss(loss).backward()
+        # MoE aux losses get the gradient the LM loss gets: 1 / micro-batches, times a loss scaler's scale.
+        with aux_loss_grad_scale_set(self.aux_loss_grad_scale(num_microbatches)):
+            self.precision.scale_loss(loss).backward()
         return loss.detach()
+
+    def aux_loss_grad_scale(self, num_microbatches: int) -> float:
+        """The factor one micro-batch's loss is multiplied by before its backward (1 / micro-batches, times
+        the precision plugin's loss scale): the gradient MoE layers give their auxiliary losses."""
+        unit = torch.ones((), device=self.device) / num_microbatches
+        return float(self.precision.scale_loss(unit))
 
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:

@@ -1,0 +1,207 @@
+"""Mixture of Experts (`model.n_experts`, trainer/models/moe.py): exact parameter counts, the router, the
+balancing losses and their gradients, capacity dropping, grouped vs per-expert compute, metrics, config
+errors; expert parallelism's parity with one process in one batched gloo launch (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from trainer.config import compose
+from trainer.models import build_meta_model, build_model
+from trainer.models.llama import LlamaConfig
+from trainer.models.moe import MoE, aux_loss_grad_scale_set, collect_moe_stats, update_router_biases
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def small_config(**overrides: object) -> LlamaConfig:
+    base = dict(name="moe_test", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,
+                max_seq_len=64, n_experts=4, top_k=2, moe_hidden_dim=16)
+    base.update(overrides)
+    return LlamaConfig(**base)  # type: ignore[arg-type]
+
+
+# ---- counts ----------------------------------------------------------------------------------------------
+def test_mixtral_8x7b_counts_exactly_its_total_and_active_parameters() -> None:
+    model = build_meta_model(OmegaConf.to_object(compose(["model=mixtral_8x7b"]).model))
+    assert model.num_params() == 46_702_792_704
+    assert model.num_active_params() == 12_879_925_248
+    # FLOPs count the active matmul weights (2 of 8 experts), as MFU must.
+    dense_part = model.num_matmul_params()
+    assert dense_part == 12_879_925_248 - 2 * 32_000 * 4_096 + 32_000 * 4_096 - 32 * 2 * 4096 - 4096
+
+
+def test_a_dense_model_has_all_its_parameters_active() -> None:
+    model = build_meta_model(OmegaConf.to_object(compose(["model=tiny"]).model))
+    assert model.num_active_params() == model.num_params()
+
+
+# ---- router --------------------------------------------------------------------------------------------
+def test_routing_is_mixtral_softmax_top2_renormalised() -> None:
+    torch.manual_seed(0)
+    moe = MoE(16, 8, n_experts=4, top_k=2)
+    moe.init_weights(0.5, 0.5)
+    x = torch.randn(10, 16)
+    logits, probs, chosen, weights = moe.route(x)
+    expected = F.softmax(x @ moe.router.weight.t(), dim=-1)
+    top, index = expected.topk(2, dim=-1)
+    torch.testing.assert_close(probs, expected)
+    assert torch.equal(chosen, index)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+
+
+def test_top1_weights_are_not_renormalised() -> None:
+    moe = MoE(8, 8, n_experts=4, top_k=1)
+    moe.init_weights(0.5, 0.5)
+    _, probs, chosen, weights = moe.route(torch.randn(6, 8))
+    torch.testing.assert_close(weights, probs.gather(-1, chosen))
+
+
+def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """A loop over tokens: the definition the grouped compute must reproduce."""
+    _, _, chosen, weights = moe.route(x)
+    out = torch.zeros_like(x)
+    e = moe.experts
+    for t in range(x.shape[0]):
+        for slot in range(moe.top_k):
+            i = int(chosen[t, slot])
+            h = F.silu(x[t] @ e.w1[i].t()) * (x[t] @ e.w3[i].t())
+            out[t] += weights[t, slot] * (h @ e.w2[i].t())
+    return out
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_and_per_expert_compute_equal_a_loop_over_tokens(grouped: bool) -> None:
+    torch.manual_seed(1)
+    moe = MoE(16, 8, n_experts=4, top_k=2, grouped_mm=grouped)
+    moe.init_weights(0.3, 0.3)
+    x = torch.randn(24, 16)
+    torch.testing.assert_close(moe(x), _naive_moe(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_matmul_and_per_expert_matmuls_give_the_same_model_and_gradients() -> None:
+    torch.manual_seed(2)
+    grouped = build_model(small_config(moe_grouped_mm=True))
+    looped = build_model(small_config(moe_grouped_mm=False))
+    looped.load_state_dict(grouped.state_dict())
+    tokens = torch.randint(0, 64, (2, 16))
+    losses = []
+    for model in (grouped, looped):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(grouped.named_parameters(), looped.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---- balancing losses -------------------------------------------------------------------------------------
+def test_the_aux_losses_reach_the_router_gradient_with_the_strategy_scale() -> None:
+    """The aux loss enters through the autograd node, scaled like the LM loss: its gradient equals that of
+    scale * (f(out) + coef * aux + zcoef * z) computed explicitly."""
+    torch.manual_seed(3)
+    moe = MoE(16, 8, n_experts=4, top_k=2, aux_loss_coef=0.3, z_loss_coef=0.05)
+    moe.init_weights(0.5, 0.5)
+    x = torch.randn(20, 16)
+    with aux_loss_grad_scale_set(0.25):
+        (moe(x).pow(2).sum() * 0.25).backward()
+    got = moe.router.weight.grad.clone()
+    moe.router.weight.grad = None
+    moe.eval()  # no attached aux loss: add it by hand
+    for module in moe.experts.parameters():
+        module.grad = None
+    logits, probs, chosen, _ = moe.route(x)
+    counts = torch.bincount(chosen.reshape(-1), minlength=4).float()
+    aux = 4 * torch.sum(counts / (20 * 2) * probs.mean(0))
+    z = torch.logsumexp(logits, -1).pow(2).mean()
+    (0.25 * (moe(x).pow(2).sum() + 0.3 * aux + 0.05 * z)).backward()
+    torch.testing.assert_close(got, moe.router.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_aux_loss_is_one_when_balanced_and_e_over_k_when_collapsed() -> None:
+    moe = MoE(4, 4, n_experts=4, top_k=1)
+    moe.init_weights(0.1, 0.1)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(4) * 10)  # token i -> expert i
+    moe(torch.eye(4) .repeat(2, 1))
+    assert moe.stat_aux == pytest.approx(1.0, rel=1e-3)
+    moe.reset_stats()
+    moe(torch.eye(4)[:1].repeat(8, 1))  # every token -> expert 0
+    assert moe.stat_aux == pytest.approx(4.0, rel=1e-3)
+
+
+def test_capacity_drops_and_counts_the_overflow_and_dropless_keeps_everything() -> None:
+    moe = MoE(4, 4, n_experts=4, top_k=1, capacity_factor=1.0)
+    moe.init_weights(0.1, 0.1)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(4) * 10)
+    x = torch.eye(4)[:1].repeat(8, 1)  # 8 tokens for expert 0, capacity ceil(1.0 * 8 / 4) = 2
+    out = moe(x)
+    assert moe.stat_dropped == 6
+    assert torch.count_nonzero(out.abs().sum(-1)) == 2  # the first two tokens only
+    moe.capacity_factor = 0.0
+    moe.reset_stats()
+    assert torch.count_nonzero(moe(x).abs().sum(-1)) == 8 and moe.stat_dropped == 0
+
+
+def test_aux_loss_free_bias_moves_towards_underloaded_experts_and_changes_only_the_choice() -> None:
+    moe = MoE(4, 4, n_experts=4, top_k=1, bias_update_rate=0.5)
+    moe.init_weights(0.1, 0.1)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(4))
+    x = torch.eye(4)[:1].repeat(8, 1)
+    moe(x)
+    metrics, loads = collect_moe_stats([moe], lambda t: t)
+    assert metrics["moe/max_load"] == pytest.approx(4.0)
+    update_router_biases([moe], loads)
+    assert moe.expert_bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
+    _, probs, chosen, weights = moe.route(x)
+    assert int(chosen[0, 0]) != 0  # the bias moved the choice off the overloaded expert...
+    torch.testing.assert_close(weights, probs.gather(-1, chosen))  # ...but not the weights
+
+
+def test_statistics_skip_evaluation_and_are_cleared_when_read() -> None:
+    moe = MoE(8, 8, n_experts=4, top_k=2)
+    moe.init_weights(0.1, 0.1)
+    moe.eval()
+    moe(torch.randn(5, 8))
+    assert moe.stat_calls == 0
+    moe.train()
+    moe(torch.randn(5, 8))
+    metrics, _ = collect_moe_stats([moe], lambda t: t)
+    assert set(metrics) >= {"moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/dropped"}
+    assert moe.stat_calls == 0
+
+
+# ---- config errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ("model.top_k=9", "model.top_k=9 must be between 1 and model.n_experts=8"),
+    ("model.capacity_factor=-1", "capacity_factor must be a finite number >= 0"),
+])
+def test_bad_moe_options_are_one_line_and_exit_2(override: str, message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer", "model=tiny_moe", override],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_moe_options_on_a_model_family_without_them_are_refused() -> None:
+    result = subprocess.run([sys.executable, "-m", "trainer", "model=gpt2_small", "model.n_experts=8"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "n_experts" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_moe_config_round_trips_through_dataclasses() -> None:
+    config = small_config(router_bias_update_rate=1e-3)
+    assert LlamaConfig(**dataclasses.asdict(config)) == config
