@@ -205,3 +205,94 @@ def test_moe_options_on_a_model_family_without_them_are_refused() -> None:
 def test_moe_config_round_trips_through_dataclasses() -> None:
     config = small_config(router_bias_update_rate=1e-3)
     assert LlamaConfig(**dataclasses.asdict(config)) == config
+
+
+# ---- expert parallelism and composition: parity with one process (batched gloo launches) -----------------
+MOE = ["model=tiny_moe", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+       "model.n_experts=4", "model.moe_hidden_dim=32", "model.n_shared_experts=1", "model.router_z_loss_coef=0.001"]
+LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps=20", "trainer.log_every=1",
+        "trainer.val_every=10", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=1000000",
+        "callbacks=none"]
+# name: (overrides, processes, micro-batch). The aux loss is a per-micro-batch statistic, so each run is
+# compared with the single process of the same micro-batch size (the same global batch).
+PARITY = {
+    "ep2_ddp": (["strategy=ddp", "ep=2"], 2, 8),
+    "ep2_zero3": (["strategy=zero3", "ep=2"], 2, 8),
+    "tp2": (["strategy=tp", "tp=2"], 2, 8),
+    "pp2": (["strategy=pp", "pp=2"], 2, 8),
+    "ep4_ddp": (["strategy=ddp", "ep=4"], 4, 4),
+    # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
+    "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
+}
+# Exact resume: 40 steps straight (saving at 20) vs a run resumed from step 20, both ep=2.
+RESUME_STEPS = ["trainer.max_steps=40", "trainer.val_every=20"]
+EP2 = ["strategy=ddp", "ep=2", "trainer.devices=2", "trainer.micro_batch_size=8"]
+
+
+def _metric(run_dir: Path, name: str) -> dict[int, float]:
+    import csv
+
+    with open(run_dir / "metrics.csv") as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_strategies import launch_harness
+    from trainer.run import build_trainer
+
+    out = tmp_path_factory.mktemp("moe")
+    for nproc in (2, 4):
+        batch = [{"name": name, "overrides": MOE + LOOP + strategy + [f"trainer.devices={nproc}",
+                                                                       f"trainer.micro_batch_size={micro}"]}
+                 for name, (strategy, procs, micro) in PARITY.items() if procs == nproc]
+        if nproc == 2:
+            saved = out / "np2" / "ep2-straight" / "checkpoints" / "step_00000020"
+            batch += [
+                {"name": "ep2-straight", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [
+                    "callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=20"]},
+                {"name": "ep2-resumed", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [f"resume={saved}"]},
+            ]
+        launch_harness(out, nproc, batch)
+    for micro in (8, 4):
+        trainer = build_trainer(compose(MOE + LOOP + [f"trainer.micro_batch_size={micro}"]), out / f"single{micro}")
+        trainer.fit()
+        torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / f"single{micro}" / "weights.pt")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_moe_parallelism_matches_the_single_process_run(moe_runs: Path, name: str) -> None:
+    """20 dropless steps: per-step losses, gradient norms, aux losses and validation losses within rtol 1e-4,
+    and the final weights (experts gathered from their ep ranks)."""
+    _, nproc, micro = PARITY[name]
+    run_dir, single = moe_runs / f"np{nproc}" / name, moe_runs / f"single{micro}"
+    assert len(_metric(single, "train_loss")) == 20
+    for metric in ("train_loss", "grad_norm", "val_loss"):
+        assert _metric(run_dir, metric) == pytest.approx(_metric(single, metric), rel=1e-4), metric
+    # MoE metrics: rank 0 logs those of the layers it holds (under pp, the first stage's: layers 0 and 1)
+    layers = ("0", "1") if name.startswith("pp") else ("0", "1", "2", "3")
+    for metric in ["moe/aux_loss"] * (not name.startswith("pp")) + [f"moe/max_load/{i}" for i in layers]:
+        assert _metric(run_dir, metric) == pytest.approx(_metric(single, metric), rel=1e-4), metric
+    reference = torch.load(single / "weights.pt", weights_only=True)
+    weights = torch.load(run_dir / "weights.pt", weights_only=True)
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_ep2_resumes_exactly_and_reshards_onto_one_process(moe_runs: Path, tmp_path: Path) -> None:
+    from trainer.run import build_trainer
+
+    straight = _metric(moe_runs / "np2" / "ep2-straight", "train_loss")
+    resumed = _metric(moe_runs / "np2" / "ep2-resumed", "train_loss")
+    assert sorted(resumed) == list(range(21, 41))
+    assert [resumed[s] for s in range(21, 41)] == [straight[s] for s in range(21, 41)]  # bitwise
+    saved = moe_runs / "np2" / "ep2-straight" / "checkpoints" / "step_00000020"
+    trainer = build_trainer(compose(MOE + LOOP + RESUME_STEPS + ["trainer.micro_batch_size=8", f"resume={saved}"]),
+                            tmp_path)
+    assert trainer.step == 20
+    trainer.fit()
+    assert _metric(tmp_path, "train_loss") == pytest.approx({s: straight[s] for s in range(21, 41)}, rel=1e-4)

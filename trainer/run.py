@@ -51,7 +51,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     validate(cfg)
     t = cfg.trainer
     strategy = instantiate(cfg.strategy)
-    strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.cp_method)
+    strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.cp_method,
+                               ep=cfg.ep)
     reset_peak_memory(strategy.device)  # this run's peak, also when a sweep runs jobs in one process
     run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]

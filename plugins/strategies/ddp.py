@@ -54,6 +54,7 @@ class DDP(DistributedStrategy):
     """
 
     name = "ddp"
+    supports_ep = True
     # Whether the optimizer states are partitioned (ZeRO-1), and so can be offloaded on their own.
     shards_optimizer_states = False
 
@@ -100,6 +101,10 @@ class DDP(DistributedStrategy):
         return True  # every rank holds the full model anyway; DDP also broadcasts rank 0's weights
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        if self.dims.ep_enabled:  # split experts are reduced over their own ranks (reduce_expert_gradients)
+            experts = {id(p) for p in self.expert_parameters([model])}
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, [name for name, p in model.named_parameters() if id(p) in experts])
         return wrap_ddp(model, self.dims.dp_cp_mesh().get_group(), self.device,  # type: ignore[union-attr]
                         bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
                         comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
@@ -115,6 +120,7 @@ class DDP(DistributedStrategy):
             sync = contextlib.nullcontext() if index == last else ddp.no_sync()  # type: ignore[operator]
             with sync:
                 total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), on_before_backward)
+        self.reduce_expert_gradients(model_parts)
         return total
 
 
@@ -280,6 +286,7 @@ class ZeRO1(DDP):
     """ZeRO stage 1: DDP for gradients, optimizer states partitioned over the data-parallel ranks."""
 
     name = "zero1"
+    supports_ep = False  # its Shard(0) optimizer views are not built over expert-parallel DTensors yet
 
     def __init__(self, **ddp_options: Any) -> None:
         super().__init__(**ddp_options)

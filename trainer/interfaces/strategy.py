@@ -59,6 +59,8 @@ class Strategy:
     uses_tp: bool = False
     uses_pp: bool = False
     uses_cp: bool = False
+    # Whether the strategy can split MoE experts over data-parallel ranks (`ep` > 1).
+    supports_ep: bool = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -116,10 +118,10 @@ class Strategy:
 
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
-                          pp: int = 1, cp: int = 1, cp_method: str = "ring") -> None:
+                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1) -> None:
         """Pick the device and the intra-op thread count; distributed subclasses also join the process
         group and build the mesh from the parallel sizes (ignored here: everything is 1)."""
-        del dp, tp, pp, cp, cp_method
+        del dp, tp, pp, cp, cp_method, ep
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)

@@ -165,10 +165,9 @@ class GroupedExperts(nn.Module):
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable variable-split all-to-all of the rows of `x` (the backward sends gradients back)."""
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), recv, send, group))
 
 
 class MoE(nn.Module):
@@ -255,7 +254,7 @@ class MoE(nn.Module):
         combine = weights.reshape(-1)[order].to(out_rows.dtype)
         out = torch.zeros_like(flat).index_add(0, token_index, out_rows * combine[:, None])
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            out = out + self._shared(flat)
 
         aux = self.n_experts * torch.sum(counts.detach().float() / (tokens * self.top_k) * probs.mean(dim=0))
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -264,6 +263,14 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
             out = _AttachAuxLoss.apply(out, total)
         return out.view(shape)
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts' SwiGLU `w2(silu(w1 x) * w3 x)` with local weights (under tensor parallelism
+        they are replicated DTensors and the layer works on plain tensors)."""
+        ffn = self.shared_experts
+        assert ffn is not None
+        w1, w2, w3 = (_local(getattr(ffn, name).weight) for name in ("w1", "w2", "w3"))
+        return F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
 
     def _expert_parallel_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Send each row to the rank holding its expert, compute there, bring the results back.
