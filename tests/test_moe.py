@@ -296,3 +296,63 @@ def test_ep2_resumes_exactly_and_reshards_onto_one_process(moe_runs: Path, tmp_p
     assert trainer.step == 20
     trainer.fit()
     assert _metric(tmp_path, "train_loss") == pytest.approx({s: straight[s] for s in range(21, 41)}, rel=1e-4)
+
+
+# ---- Hugging Face Mixtral --------------------------------------------------------------------------------
+def _mixtral_config() -> LlamaConfig:
+    return small_config(vocab_size=256, dim=64, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, moe_hidden_dim=32,
+                        ffn_hidden_dim=32, rope_theta=10000.0)
+
+
+def test_exported_moe_gives_mixtral_the_same_logits_and_imports_back(tmp_path: Path) -> None:
+    import transformers
+
+    from trainer.checkpoint.hf import export_state_dict, read_hf_config
+
+    torch.manual_seed(0)
+    config = _mixtral_config()
+    model = build_model(config)
+    with torch.no_grad():  # trained-looking norms, so a misplaced one would show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    export_state_dict(model.state_dict(), config, tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["architectures"] == ["MixtralForCausalLM"] and saved["num_local_experts"] == 4
+    theirs = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    tokens = torch.randint(0, 256, (2, 40))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=tokens).logits, model(tokens), atol=2e-5, rtol=1e-5)
+    imported = read_hf_config(tmp_path / "hf")
+    assert (imported.n_experts, imported.top_k, imported.moe_hidden_dim) == (4, 2, 32)
+
+
+def test_a_moe_run_starts_from_mixtral_weights_and_exports_them_back(tmp_path: Path) -> None:
+    """init_from=HF_DIR (stacked experts rebuilt from Mixtral's per-expert tensors), then export before any
+    step: the
+    round trip gives back the same tensors."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint.hf import export_state_dict, export_trainer
+    from trainer.run import build_trainer
+
+    torch.manual_seed(1)
+    config = _mixtral_config()
+    source = build_model(config)
+    export_state_dict(source.state_dict(), config, tmp_path / "hf")
+    overrides = ["model=tiny_moe", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.n_experts=4", "model.moe_hidden_dim=32", "model.max_seq_len=64", "trainer.seq_len=32",
+                 "trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+                 "lr_schedule.warmup_steps=0", "trainer.val_batches=1", "callbacks=none",
+                 "data.max_bytes=100000", f"init_from={tmp_path / 'hf'}"]
+    trainer = build_trainer(compose(overrides), tmp_path / "run")
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(trainer.model_parts[0].state_dict()[key], value, atol=0, rtol=0, msg=key)
+    export_trainer(trainer, tmp_path / "exported")
+    first, second = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert first.keys() == second.keys()
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in first
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
