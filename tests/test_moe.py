@@ -331,8 +331,7 @@ def test_exported_moe_gives_mixtral_the_same_logits_and_imports_back(tmp_path: P
 
 def test_a_moe_run_starts_from_mixtral_weights_and_exports_them_back(tmp_path: Path) -> None:
     """init_from=HF_DIR (stacked experts rebuilt from Mixtral's per-expert tensors), then export before any
-    step: the
-    round trip gives back the same tensors."""
+    step: the round trip gives back the same tensors."""
     from safetensors.torch import load_file
 
     from trainer.checkpoint.hf import export_state_dict, export_trainer
@@ -356,3 +355,36 @@ def test_a_moe_run_starts_from_mixtral_weights_and_exports_them_back(tmp_path: P
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in first
     for key in first:
         assert torch.equal(first[key], second[key]), key
+
+
+# ---- planner -------------------------------------------------------------------------------------------
+def test_the_plan_reports_total_and_active_parameters_and_counts_expert_shards_exactly() -> None:
+    """mode=plan on the Mixtral recipe: the counts, FLOPs on active parameters, the all-to-all of ep=8, and
+    the per-rank model states under ep=8 x FSDP-sharded experts equal to the real model on the meta device."""
+    from trainer.planner import plan
+
+    cfg = compose(["recipe=mixtral_8x7b_64xh100", "mode=plan"])
+    result = plan(cfg, exact=True, search=False)
+    assert (result.num_params, result.num_active_params, result.ep) == (46_702_792_704, 12_879_925_248, 8)
+    model = build_meta_model(OmegaConf.to_object(cfg.model))
+    assert result.flops_per_token == model.flops_per_token(4096)
+    assert result.exact is not None
+    for key in ("params", "grads", "optimizer"):
+        assert result.memory[key] == result.exact[key], key
+    # 46.7e9 params x 4 bytes / 64 ranks, within the rounding of the sharded rows
+    assert result.memory["params"] == pytest.approx(46_702_792_704 * 4 / 64, rel=1e-3)
+    (a2a,) = [c for c in result.communication if c["dimension"] == "ep"]
+    # 32 layers x (forward 2 + backward 2 + full recompute 2) x 4 micro-batches; 4096 tokens x top-2 x 4096 x bf16
+    assert a2a["op"] == "all-to-all" and a2a["count"] == 32 * 6 * 4
+    assert a2a["payload_bytes"] == 32 * 6 * 4 * 4096 * 2 * 4096 * 2
+
+
+def test_the_planner_search_considers_expert_parallelism() -> None:
+    from trainer.planner.layout import layout_from_config, model_config
+    from trainer.planner.params import inventory
+    from trainer.planner.search import candidate_layouts
+    from trainer.planner.core import hardware_from_config
+
+    cfg = compose(["recipe=mixtral_8x7b_64xh100", "mode=plan"])
+    layouts = candidate_layouts(inventory(model_config(cfg)), layout_from_config(cfg), hardware_from_config(cfg))
+    assert {layout.ep for layout in layouts if layout.dp_flavour in ("ddp", "zero3")} == {1, 2, 4, 8}

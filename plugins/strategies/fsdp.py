@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainer.models.moe import moe_layers
@@ -138,11 +139,14 @@ class FSDP(DistributedStrategy):
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
         if self.dims.ep_enabled:
             # Experts first, over the ranks left (edp): their own units, so the blocks' units skip them (their
-            # gradients' scale is fixed in `reduce_gradients`).
+            # gradients' scale is fixed in `reduce_gradients`). Sharded on dim 1 (the SwiGLU width or the model
+            # width), not on the experts: a rank often holds fewer experts than there are edp ranks (Mixtral:
+            # 8 / ep 8 = 1 over edp 8), and Shard(0) would leave all of them on one rank (torchtitan does the same).
             for _, layer in moe_layers([model]):
                 fully_shard(layer.experts, mesh=self.dims.edp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
                             offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
-                            reshard_after_forward=bool(self.options.reshard_after_forward))
+                            reshard_after_forward=bool(self.options.reshard_after_forward),
+                            shard_placement_fn=lambda param: Shard(1))
         return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
                          offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
                          reshard_after_forward=self.options.reshard_after_forward,  # type: ignore[arg-type]
