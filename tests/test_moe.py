@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -388,3 +389,30 @@ def test_the_planner_search_considers_expert_parallelism() -> None:
     cfg = compose(["recipe=mixtral_8x7b_64xh100", "mode=plan"])
     layouts = candidate_layouts(inventory(model_config(cfg)), layout_from_config(cfg), hardware_from_config(cfg))
     assert {layout.ep for layout in layouts if layout.dp_flavour in ("ddp", "zero3")} == {1, 2, 4, 8}
+
+
+def test_the_stabilizer_can_watch_the_aux_loss(tmp_path: Path) -> None:
+    from tests.test_stabilizer import StandIn, stabilizer
+
+    trainer, stab = StandIn(tmp_path), stabilizer(actions=["skip"], aux_loss_ratio=1.5)
+    stab.on_fit_start(trainer)  # type: ignore[arg-type]
+
+    for value in (1.1, 1.0, 1.05, 1.1, 1.0):
+        assert not _attempt_with_aux(trainer, stab, value)
+    assert _attempt_with_aux(trainer, stab, 2.0)  # 2.0 > 1.5 x the median 1.05
+    assert stab.events[-1]["kinds"] == ["aux_loss_spike"]
+    assert stab.state_dict()["aux_loss_history"] == [1.1, 1.0, 1.05, 1.1, 1.0]
+
+
+def _attempt_with_aux(trainer: Any, stab: Any, aux: float) -> bool:
+    """StandIn.attempt with the MoE aux loss in the step outputs, as the loop puts it there."""
+    next(trainer.train_loader)
+    trainer.step_outputs = {"loss": torch.tensor(2.0), "grad_norm": torch.tensor(1.0),
+                            "lr": trainer.optimizer.param_groups[0]["lr"], "moe": {"moe/aux_loss": aux}}
+    trainer.skip_step = False
+    stab.on_before_optimizer_step(trainer, trainer.optimizer)
+    if not trainer.skip_step:
+        trainer.optimizer.step()
+    trainer.step += 1
+    stab.on_train_batch_end(trainer, {**trainer.step_outputs, "skipped": trainer.skip_step})
+    return trainer.skip_step
