@@ -68,7 +68,12 @@ def clip_mixed_grad_norm(model_parts: Sequence[nn.Module], max_norm: float) -> t
     """Global gradient norm (and clipping) over gradients laid out on different meshes: expert weights on
     the expert mesh, the others plain or on the world mesh. torch's own stacks the per-tensor norms, which
     DTensors of different meshes refuse; here each layout's norm is reduced over its own mesh first."""
-    params = {id(p): p for part in model_parts for p in part.parameters() if p.grad is not None}
+    return clip_tensors_grad_norm([p for part in model_parts for p in part.parameters()], max_norm)
+
+
+def clip_tensors_grad_norm(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_mixed_grad_norm` over the gradients of `tensors` (parameters, or ZeRO's row views)."""
+    params = {id(p): p for p in tensors if p.grad is not None}
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params.values():
         grad = p.grad

@@ -230,10 +230,15 @@ def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[in
             numel *= size
         rows = shape[0]
         row_numel = numel // rows if rows else 0
-        if spec.expert and ep > 1:  # ddp: replicated over edp; zero3/fsdp: sharded over edp on dim 1 (fsdp.py)
-            sharded = flavour in ("shard_grad_op", "zero3", "hybrid_shard")
-            part = rows * chunk_rows(shape[1], dp_cp_index // ep, layout.edp) * (numel // (rows * shape[1])) \
-                if sharded else numel
+        if spec.expert and ep > 1:
+            # zero3/fsdp: sharded over edp on dim 1 (fsdp.py); zero1/zero2: their states' rows partitioned over
+            # edp (ddp.py's ShardedOptimizerStates); ddp: replicated over edp
+            if flavour in ("shard_grad_op", "zero3", "hybrid_shard"):
+                part = rows * chunk_rows(shape[1], dp_cp_index // ep, layout.edp) * (numel // (rows * shape[1]))
+            elif flavour in ("zero1", "zero2"):
+                part = chunk_rows(rows, dp_cp_index // ep, layout.edp) * row_numel
+            else:
+                part = numel
         elif flavour in ("zero1", "zero2"):
             part = chunk_rows(rows, replica_index, layout.replica_group) * row_numel
         elif flavour in ("shard_grad_op", "zero3", "hybrid_shard"):
