@@ -433,3 +433,20 @@ def test_planned_expert_shards_equal_the_real_strategy_on_the_meta_device(strate
         assert result.exact is not None, result.exact_error
         for key in ("params", "grads", "optimizer"):
             assert result.state_bytes[key] == result.exact[key], (strategy, rank, key)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=tiny_moe", "strategy=ddp", "ep=3", "trainer.devices=3", "trainer.global_batch_size=24"],
+     "ep=3 does not divide model.n_experts=8"),
+    (["model=tiny_moe", "strategy=ddp", "ep=4", "trainer.devices=2"],
+     "ep=4 does not divide the data-parallel x context-parallel size 2 x 1 = 2"),
+    (["model=tiny", "strategy=ddp", "ep=2", "trainer.devices=2"], "ep=2 splits Mixture-of-Experts layers, but model tiny"),
+    (["model=tiny_moe", "strategy=tp", "tp=2", "ep=2", "trainer.devices=2"], "ep=2 needs strategy=ddp, zero1"),
+])
+def test_bad_expert_parallel_sizes_are_config_errors(overrides: list[str], message: str) -> None:
+    from trainer.config import validate
+    from trainer.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        validate(compose(overrides))
+    assert "\n" not in str(error.value)
