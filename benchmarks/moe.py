@@ -1,20 +1,20 @@
 """Mixture of Experts: grouped expert compute, expert-load balance, and all-to-all's share under ep=2.
 
-1. Forward + backward tokens/s of one MoE layer (8 SwiGLU experts, top-2) three ways on the same tokens and
-   weights: a naive loop over experts (each expert finds its tokens with `torch.where`, multiplies them,
+1. Forward + backward tokens/s of one MoE layer three ways on the same tokens and weights, for Mixtral's
+   shape (8 SwiGLU experts, top-2) and a fine-grained one (64 narrow experts, top-8, DeepSeek-style): a naive loop over experts (each expert finds its tokens with `torch.where`, multiplies them,
    adds them back: transformers' Mixtral loop), our sort-by-expert layout with one matmul per expert
    (`moe_grouped_mm=false`), and our layout with torch's grouped matmul (`torch._grouped_mm`). Repeats
    alternate the variants; the ratios are to the naive loop.
 2. Expert-load balance of `model=tiny_moe` trained `--steps` steps (200) on the default data, three ways:
    no balancing (aux coefficient 0), the Switch/Mixtral aux loss (0.01), and DeepSeek-V3's auxiliary-loss-free
-   bias (rate 1e-3, no aux loss). Reported: max/mean tokens per expert per layer averaged over the last 50
+   bias (rates 1e-3, DeepSeek-V3's, and 1e-2; no aux loss). Reported: max/mean tokens per expert per layer averaged over the last 50
    steps (1.0 = perfectly balanced, n_experts / top_k = 4.0 = every token on the same two experts), and the
    final validation loss.
 3. All-to-all share of the step under ep=2 (strategy=ddp, 2 gloo processes, 1 thread each): torch.profiler
    on 3 steps after 2 warm-up steps; the wall time with an expert all-to-all in flight on rank 0 (gloo's
    records of the dispatch, the combine, their backward and the count exchange), over the step time.
 
-    python benchmarks/moe.py [--steps 200] [--repeats 5]
+    python benchmarks/moe.py [--steps 200] [--repeats 5] [--parts compute,a2a,balance]
 
 The last line is one JSON object with every figure.
 """
@@ -58,9 +58,10 @@ def naive_loop(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def grouped_compute(tokens: int, dim: int, hidden: int, repeats: int) -> dict[str, float]:
+def grouped_compute(tokens: int, dim: int, hidden: int, repeats: int, n_experts: int = 8,
+                    top_k: int = 2) -> dict[str, float]:
     torch.manual_seed(0)
-    moe = MoE(dim, hidden, n_experts=8, top_k=2)
+    moe = MoE(dim, hidden, n_experts=n_experts, top_k=top_k)
     moe.init_weights(0.02, 0.02)
     x = torch.randn(tokens, dim)
     variants = {
@@ -92,7 +93,8 @@ def _with_grouped(moe: MoE, grouped: bool, x: torch.Tensor) -> torch.Tensor:
 BALANCE = {
     "no_balancing": ["model.router_aux_loss_coef=0.0"],
     "aux_loss_0.01": ["model.router_aux_loss_coef=0.01"],
-    "bias_balancing": ["model.router_aux_loss_coef=0.0", "model.router_bias_update_rate=0.001"],
+    "bias_balancing_1e-3": ["model.router_aux_loss_coef=0.0", "model.router_bias_update_rate=0.001"],
+    "bias_balancing_1e-2": ["model.router_aux_loss_coef=0.0", "model.router_bias_update_rate=0.01"],
 }
 
 
@@ -168,6 +170,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--parts", default="compute,a2a,balance", help="which of compute, a2a, balance to run")
     parser.add_argument("--a2a-worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.a2a_worker is not None:
@@ -175,22 +178,26 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     results: dict[str, object] = {}
-    compute = grouped_compute(args.tokens, 256, 512, args.repeats)
-    print("grouped compute, 8 experts top-2, dim 256, expert width 512, "
-          f"{args.tokens} tokens, forward+backward, 1 thread:")
-    print(f"  naive loop over experts   {compute['naive_loop_tokens_per_s']:10,.0f} tokens/s")
-    print(f"  sorted, matmul per expert {compute['per_expert_matmul_tokens_per_s']:10,.0f} tokens/s "
-          f"({compute['per_expert_matmul_vs_naive']:.2f}x)")
-    print(f"  sorted, grouped matmul    {compute['grouped_mm_tokens_per_s']:10,.0f} tokens/s "
-          f"({compute['grouped_mm_vs_naive']:.2f}x)", flush=True)
-    results["grouped_compute"] = compute
+    parts = set(args.parts.split(","))
+    shapes = {"8_experts_top2": (8, 2, 512), "64_experts_top8": (64, 8, 64)} if "compute" in parts else {}
+    for label, (experts, k, width) in shapes.items():
+        compute = grouped_compute(args.tokens, 256, width, args.repeats, experts, k)
+        print(f"grouped compute, {experts} experts top-{k}, dim 256, expert width {width}, "
+              f"{args.tokens} tokens, forward+backward, 1 thread:")
+        print(f"  naive loop over experts   {compute['naive_loop_tokens_per_s']:10,.0f} tokens/s")
+        print(f"  sorted, matmul per expert {compute['per_expert_matmul_tokens_per_s']:10,.0f} tokens/s "
+              f"({compute['per_expert_matmul_vs_naive']:.2f}x)")
+        print(f"  sorted, grouped matmul    {compute['grouped_mm_tokens_per_s']:10,.0f} tokens/s "
+              f"({compute['grouped_mm_vs_naive']:.2f}x)", flush=True)
+        results[f"grouped_compute_{label}"] = compute
     with tempfile.TemporaryDirectory() as tmp:
-        results["a2a_ep2"] = a2a_share(Path(tmp))
-        a2a = results["a2a_ep2"]
-        print(f"ep=2 (ddp, 2 processes): step {a2a['step_s'] * 1e3:.1f} ms, expert all-to-all in flight "  # type: ignore[index]
-              f"{a2a['all_to_all_s_per_step'] * 1e3:.1f} ms = {100 * a2a['all_to_all_share']:.1f}% of the step "  # type: ignore[index]
-              f"(all collectives {100 * a2a['all_collectives_share']:.1f}%)", flush=True)  # type: ignore[index]
-        results["load_balance"] = load_balance(args.steps, Path(tmp))
+        if "a2a" in parts:
+            results["a2a_ep2"] = a2a = a2a_share(Path(tmp))
+            print(f"ep=2 (ddp, 2 processes): step {a2a['step_s'] * 1e3:.1f} ms, expert all-to-all in flight "
+                  f"{a2a['all_to_all_s_per_step'] * 1e3:.1f} ms = {100 * a2a['all_to_all_share']:.1f}% of the step "
+                  f"(all collectives {100 * a2a['all_collectives_share']:.1f}%)", flush=True)
+        if "balance" in parts:
+            results["load_balance"] = load_balance(args.steps, Path(tmp))
     print(json.dumps(results))
 
 
