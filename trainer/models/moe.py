@@ -29,8 +29,8 @@ trains the aux losses of the layers it holds without the loss path knowing about
 `MoEAuxLossAutoScaler` does the same).
 
 Statistics for logging (aux loss, tokens per expert, dropped assignments) accumulate on each layer during
-training forwards (not during activation-checkpointing recomputes, not in evaluation) until
-`collect_moe_stats` reads and clears them once per step.
+training forwards (not during activation-checkpointing recomputes, a pipeline's metadata inference, or
+evaluation) until `collect_moe_stats` reads and clears them once per step.
 """
 
 from __future__ import annotations
@@ -92,6 +92,21 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+_STATS_PAUSED = False
+
+
+@contextlib.contextmanager
+def moe_stats_paused() -> Iterator[None]:
+    """Forwards within the block are not counted in the MoE statistics (a pipeline's metadata inference
+    runs the first stage on a real micro-batch that the schedule then runs again)."""
+    global _STATS_PAUSED
+    previous, _STATS_PAUSED = _STATS_PAUSED, True
+    try:
+        yield
+    finally:
+        _STATS_PAUSED = previous
 
 
 def _in_backward() -> bool:
@@ -205,7 +220,7 @@ class MoE(nn.Module):
         self.stat_calls = 0
 
     def _record(self, counts: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
-        if not self.training or _in_backward():
+        if not self.training or _STATS_PAUSED or _in_backward():
             return
         counts = counts.detach().double().cpu()
         self.stat_tokens = counts if self.stat_tokens is None else self.stat_tokens + counts
