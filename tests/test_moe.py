@@ -450,3 +450,25 @@ def test_bad_expert_parallel_sizes_are_config_errors(overrides: list[str], messa
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
         validate(compose(overrides))
     assert "\n" not in str(error.value)
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_counts_each_forward_once() -> None:
+    """A recompute runs the MoE forward again inside the backward: the aux losses' gradients are the same
+    as without recomputation, and the statistics count the forward once."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(4)
+    config = small_config(router_z_loss_coef=0.01)
+    plain, recomputed = build_model(config), build_model(config)
+    recomputed.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 64, (2, 16))
+    for model, wrap in ((plain, False), (recomputed, True)):
+        h = model.tok_embeddings(tokens)
+        rope = model.rope_cache[:16]
+        for layer in model.layers.values():
+            h = checkpoint(layer, h, rope, use_reentrant=False) if wrap else layer(h, rope)
+        logits = model.output(model.norm(h))
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert [layer.feed_forward.stat_calls for layer in recomputed.layers.values()] == [1, 1]
