@@ -18,7 +18,7 @@ from trainer.planner import plan
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 EXPECTED = {"llama2_7b_finetune_4xa100", "llama3_8b_8xh100", "llama2_70b_64xh100", "llama3_70b_64xh100",
             "budget_10b_2xrtx3090", "gpt3_175b_256xa100", "llama3_405b_1024xh100", "tiny_3d_cpu",
-            "llama3_8b_128k_64xh100"}
+            "llama3_8b_128k_64xh100", "mixtral_8x7b_64xh100"}
 # What a plan needs besides the recipe: the fine-tune reads no weights to plan.
 PLAN_EXTRA = {"llama2_7b_finetune_4xa100": ["init_from=null"]}
 
@@ -74,6 +74,8 @@ def test_planner_says_each_recipe_fits_its_target_hardware(name: str) -> None:
 # 3d recipes keep one of their dimensions at 2, chosen so that the set covers tensor parallelism with sequence
 # parallelism, interleaved pipelines and sharded or replicated data parallelism.
 TINY_LLAMA = ["model=tiny", "model.name=tiny", "model.n_kv_heads=2"]
+# Mixtral stays a Mixture of Experts (8 experts, top-2), shrunk like the others.
+TINY_MOE = ["model=tiny_moe", "model.name=tiny_moe", "model.n_kv_heads=2", "model.moe_hidden_dim=32"]
 # GPT-3 stays GPT (fused head-major qkv, biases, learned positions, dropout 0.1), shrunk in place.
 TINY_GPT = ["model.name=tiny_gpt", "model.max_seq_len=16"]
 TINY = ["model.n_layers=4", "model.vocab_size=256", "model.dim=64", "model.n_heads=4",
@@ -88,7 +90,14 @@ SCALED = {
     "llama3_405b_1024xh100": ["tp=1", "pp=2"],  # interleaved 1F1B, 2 virtual stages per rank
     "tiny_3d_cpu": ["tp=1", "pp=2"],  # 1F1B
     "llama3_8b_128k_64xh100": ["tp=1", "cp=2"],  # ring attention over 2 ranks, FSDP over the cp ranks
+    "mixtral_8x7b_64xh100": ["ep=2"],  # experts split over the 2 ranks, zero3 for the rest
 }
+
+
+def _tiny_model(name: str) -> list[str]:
+    if name.startswith("gpt"):
+        return TINY_GPT
+    return TINY_MOE if name.startswith("mixtral") else TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +105,7 @@ def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.test_strategies import launch_harness
 
     out = tmp_path_factory.mktemp("recipes")
-    runs = [{"name": name, "overrides": [f"recipe={name}", *(TINY_GPT if name.startswith("gpt") else TINY_LLAMA), *TINY,
+    runs = [{"name": name, "overrides": [f"recipe={name}", *_tiny_model(name), *TINY,
                                          *SCALED.get(name, [])]} for name in RECIPES]
     launch_harness(out, 2, runs)
     return out / "np2"

@@ -23,6 +23,7 @@ from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
 from trainer.memory import state_bytes
+from trainer.models.moe import collect_moe_stats, update_router_biases
 
 log = logging.getLogger("trainer")
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -49,6 +50,7 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Any] = (),
         run_dir: Path = Path("."),
+        num_active_params: int | None = None,
     ) -> None:
         self.config = config
         self.strategy = strategy
@@ -60,6 +62,8 @@ class Trainer:
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.num_params = num_params  # of the whole model, whatever this rank holds
+        # used per token (a Mixture of Experts uses top_k of n_experts experts); = num_params when dense
+        self.num_active_params = num_params if num_active_params is None else num_active_params
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops  # per device; raised to what the run achieves if it measures below it
         self._peak_raised = False
@@ -171,9 +175,14 @@ class Trainer:
         # fp16: unscale, check for inf/nan on every rank and agree whether this step is skipped.
         self.strategy.unscale_gradients(self.optimizer, self.model_parts)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
+        # Mixture-of-Experts layers: the step's aux loss and expert loads, averaged over the data-parallel
+        # ranks (one small all-reduce; nothing for a dense model), before the callbacks see the step.
+        moe_metrics, moe_loads = collect_moe_stats(self.model_parts, self.strategy.reduce_mean)
         # A callback (the loss-spike stabilizer) may veto this update by setting skip_step; it must
         # decide the same on every rank.
         self.step_outputs = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if moe_metrics:
+            self.step_outputs["moe"] = moe_metrics
         self.skip_step = False
         self._call("on_before_optimizer_step", self.optimizer)
         stepped = not self.skip_step and self.strategy.optimizer_step(self.optimizer)
@@ -182,6 +191,7 @@ class Trainer:
             # stays where it is and the state report waits for an update that created the states.
             self.scheduler.step()
             self.optimizer_steps += 1
+            update_router_biases(self.model_parts, moe_loads)  # auxiliary-loss-free balancing, when on
             if self.state_bytes is None:
                 stand_ins = [stand_in for _, stand_in in self.strategy.optimizer_tensor_pairs()]
                 self.state_bytes = state_bytes(self.model_parts, self.optimizer, stand_ins)
@@ -249,6 +259,7 @@ class Trainer:
             "mfu": mfu,
             "skipped": int(outputs["skipped"]),
             **self.precision.metrics(),  # fp16: loss_scale
+            **outputs.get("moe", {}),  # MoE: aux loss, expert load, dropped tokens
         })
 
     def flush_loggers(self) -> None:
@@ -273,6 +284,7 @@ class Trainer:
         val_losses = [loss for _, loss in self.val_history]
         return {
             "num_params": self.num_params,
+            "num_active_params": self.num_active_params,
             "final_val_loss": val_losses[-1] if val_losses else None,
             "best_val_loss": min(val_losses) if val_losses else None,
             "final_train_loss": self.last_train_loss,

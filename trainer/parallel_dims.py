@@ -7,6 +7,13 @@ hybrid sharding does both. Context-parallel ranks read the same samples (each it
 but hold different tokens, so for the weights they are data-parallel ranks too: gradients are averaged
 over dp x cp (`dp_cp_mesh`) and sharded strategies shard over dp_shard x cp (`fsdp_mesh`), as in
 torchtitan, so cp ranks do not each hold a full copy.
+
+Expert parallelism (`ep`) adds no ranks: it borrows them from the data-parallel ones, as torchtitan does.
+The dp x cp ranks of one (pp, tp) coordinate, in mesh order, are cut into groups of `ep` consecutive
+ranks; each group splits the experts of every MoE layer (n_experts / ep each) and exchanges tokens by
+all-to-all, and the `dp x cp / ep` groups ("edp", the ranks left) hold the same experts, so expert weights
+are replicated or sharded over edp while every other weight is over dp x cp. Both live on a second mesh
+pp x edp x ep x tp (`expert_mesh`), whose ranks are the world mesh's.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flattened: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in MESH_ORDER:
@@ -46,6 +55,9 @@ class ParallelDims:
                 f"dp_replicate x dp_shard x cp x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
                 f"{self.tp} x {self.pp} = {product} does not equal the world size {self.world_size}"
             )
+        if self.ep < 1 or (self.dp * self.cp) % self.ep != 0:
+            raise ValueError(f"ep={self.ep} must divide the data-parallel x context-parallel size "
+                             f"{self.dp} x {self.cp} = {self.dp * self.cp} (experts borrow those ranks)")
 
     @property
     def dp(self) -> int:
@@ -73,6 +85,15 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same experts under expert parallelism: dp x cp / ep."""
+        return self.dp * self.cp // self.ep
+
+    @property
     def dp_cp_enabled(self) -> bool:
         """Whether gradients are averaged over several ranks (data or context parallel)."""
         return self.dp * self.cp > 1
@@ -97,7 +118,18 @@ class ParallelDims:
         self._flattened = {flat: mesh[present]._flatten(flat) for flat, members in FLATTENED.items()
                            if len(present := tuple(name for name in members if name in names)) > 1}
         self._mesh = mesh
+        if self.ep > 1:  # the same ranks, seen as pp x edp x ep x tp (see the module docstring)
+            self._expert_mesh = init_device_mesh(device_type, (self.pp, self.edp, self.ep, self.tp),
+                                                 mesh_dim_names=("pp", "edp", "ep", "tp"))
         return mesh
+
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The expert-parallel group of this rank (None with ep=1)."""
+        return None if self._expert_mesh is None else self._expert_mesh["ep"]
+
+    def edp_mesh(self) -> DeviceMesh | None:
+        """The ranks holding the same experts as this one (size dp x cp / ep; None with ep=1)."""
+        return None if self._expert_mesh is None else self._expert_mesh["edp"]
 
     @property
     def mesh(self) -> DeviceMesh:

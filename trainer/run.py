@@ -71,7 +71,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     validate(cfg)
     t = cfg.trainer
     strategy = instantiate(cfg.strategy)
-    strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.cp_method)
+    strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.cp_method,
+                               ep=cfg.ep)
     reset_peak_memory(strategy.device)  # this run's peak, also when a sweep runs jobs in one process
     run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
@@ -81,6 +82,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     # Built on the meta device: nothing is allocated until the strategy has placed it.
     model = build_meta_model(OmegaConf.to_object(cfg.model))
     num_params = model.num_params()
+    num_active_params = model.num_active_params()
     flops_per_token = model.flops_per_token(t.seq_len)
     model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), t.compile)
 
@@ -100,7 +102,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         strategy.device, strategy.precision.compute_dtype)  # the dtype the matmuls run in
     if peak_note is not None and strategy.is_global_zero:
         log.info(peak_note)
-    log.info(f"model {cfg.model.name}: {num_params:,} parameters; {steps} steps of "
+    active = f" ({num_active_params:,} active per token)" if num_active_params != num_params else ""
+    log.info(f"model {cfg.model.name}: {num_params:,} parameters{active}; {steps} steps of "
              f"{tokens_per_step(cfg):,} tokens; run dir {run_dir}")
 
     trainer = Trainer(
@@ -114,6 +117,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         total_steps=steps,
         tokens_per_step=tokens_per_step(cfg),
         num_params=num_params,
+        num_active_params=num_active_params,
         flops_per_token=flops_per_token,
         peak_flops=peak,
         callbacks=[instantiate(node) for node in cfg.callbacks.values()],

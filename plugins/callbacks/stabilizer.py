@@ -4,7 +4,9 @@ Detection (each rank, on its own values, before the optimizer step):
   - a loss spike: the loss is `loss_ratio` times the running median (or mean) of the last `window`
     accepted losses, or `loss_zscore` standard deviations above their mean;
   - a gradient-norm spike: the same two tests on the global gradient norm;
-  - NaN/Inf in the loss or the gradients (a non-finite global gradient norm means a non-finite gradient).
+  - NaN/Inf in the loss or the gradients (a non-finite global gradient norm means a non-finite gradient);
+  - with `aux_loss_ratio` / `aux_loss_zscore` (off by default), the same tests on a Mixture of Experts'
+    load-balancing loss (`moe/aux_loss`, the mean over layers): a jump means the routing is collapsing.
 Nothing is declared during the warm-up (`warmup_steps` accepted values in the history): early losses
 fall too fast for a running statistic to mean anything. Only accepted steps enter the history, so a
 spike does not raise the bar for the next one.
@@ -54,7 +56,7 @@ ACTIONS = ("skip", "cooldown", "rollback", "abort")
 ACTION_CODES = {"skip": 1, "cooldown": 2, "rollback": 3, "abort": 4}
 STATISTICS = ("median", "mean")
 # What a rank can detect, in the order of the max-reduced flag vector.
-KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike")
+KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike", "aux_loss_spike")
 # A z-score is measured against at least this fraction of the mean: over a flat history, rounding noise
 # would otherwise be many standard deviations away.
 MIN_RELATIVE_STD = 1e-3
@@ -148,6 +150,8 @@ class LossSpikeStabilizer(Callback):
         grad_norm_ratio: float = 5.0,
         grad_norm_zscore: float = 0.0,
         check_nonfinite: bool = True,
+        aux_loss_ratio: float = 0.0,
+        aux_loss_zscore: float = 0.0,
         actions: tuple[str, ...] | list[str] = ("skip", "cooldown", "rollback"),
         escalation_window: int = 100,
         cooldown_steps: int = 20,
@@ -170,6 +174,7 @@ class LossSpikeStabilizer(Callback):
             raise ValueError(f"max_events must be >= 0 or null, got {max_events}")
         self.loss_detector = SpikeDetector(window, warmup_steps, statistic, loss_ratio, loss_zscore)
         self.grad_norm_detector = SpikeDetector(window, warmup_steps, statistic, grad_norm_ratio, grad_norm_zscore)
+        self.aux_loss_detector = SpikeDetector(window, warmup_steps, statistic, aux_loss_ratio, aux_loss_zscore)
         self.check_nonfinite = check_nonfinite
         self.actions = actions
         self.escalation_window = escalation_window
@@ -211,9 +216,11 @@ class LossSpikeStabilizer(Callback):
         loss, grad_norm = torch.stack([outputs["loss"].detach().float().reshape(()),
                                        torch.as_tensor(outputs["grad_norm"]).detach().float().reshape(())
                                        .to(outputs["loss"].device)]).tolist()
-        found = self._detect(trainer, loss, grad_norm)
+        # MoE: the step's load-balancing loss, the same on every rank (collect_moe_stats averaged it)
+        aux = float(outputs.get("moe", {}).get("moe/aux_loss", math.nan))
+        found = self._detect(trainer, loss, grad_norm, aux)
         if not found:
-            self._accept(loss, grad_norm)
+            self._accept(loss, grad_norm, aux)
             self._cool_down(trainer, optimizer)
             return
         trainer.skip_step = True
@@ -252,7 +259,8 @@ class LossSpikeStabilizer(Callback):
                                    f"state and in stabilizer_events.jsonl)")
 
     # ---- detection and agreement ------------------------------------------------------------------------
-    def _detect(self, trainer: "Trainer", loss: float, grad_norm: float) -> dict[str, dict[str, Any]]:
+    def _detect(self, trainer: "Trainer", loss: float, grad_norm: float,
+                aux_loss: float = math.nan) -> dict[str, dict[str, Any]]:
         """What any rank found, the same on every rank: {kind: detection of the lowest such rank, plus
         the list of ranks that saw it}; empty when no rank found anything."""
         local: dict[str, Detection] = {}
@@ -267,6 +275,8 @@ class LossSpikeStabilizer(Callback):
             local["loss_spike"] = spike
         if math.isfinite(grad_norm) and (spike := self.grad_norm_detector.check(grad_norm)) is not None:
             local["grad_norm_spike"] = spike
+        if math.isfinite(aux_loss) and (spike := self.aux_loss_detector.check(aux_loss)) is not None:
+            local["aux_loss_spike"] = spike
 
         flagged = any(kind in local for kind in KINDS)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -285,11 +295,13 @@ class LossSpikeStabilizer(Callback):
                 found[kind] = {**seen[ranks[0]][kind], "ranks": ranks}
         return found
 
-    def _accept(self, loss: float, grad_norm: float) -> None:
+    def _accept(self, loss: float, grad_norm: float, aux_loss: float = math.nan) -> None:
         if math.isfinite(loss):
             self.loss_detector.accept(loss)
         if math.isfinite(grad_norm):
             self.grad_norm_detector.accept(grad_norm)
+        if math.isfinite(aux_loss):
+            self.aux_loss_detector.accept(aux_loss)
 
     # ---- actions ----------------------------------------------------------------------------------------
     def _record(self, trainer: "Trainer", found: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -396,6 +408,7 @@ class LossSpikeStabilizer(Callback):
             "cooldown_left": self.cooldown_left,
             "loss_history": list(self.loss_detector.history),
             "grad_norm_history": list(self.grad_norm_detector.history),
+            "aux_loss_history": list(self.aux_loss_detector.history),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -406,6 +419,8 @@ class LossSpikeStabilizer(Callback):
         self.loss_detector.history = [float(v) for v in state_dict.get("loss_history", [])][-self.loss_detector.window:]
         self.grad_norm_detector.history = [
             float(v) for v in state_dict.get("grad_norm_history", [])][-self.grad_norm_detector.window:]
+        self.aux_loss_detector.history = [
+            float(v) for v in state_dict.get("aux_loss_history", [])][-self.aux_loss_detector.window:]
         self._apply_ledger()  # the loader honours the restored ledger (a resume, or a rollback)
 
 
@@ -452,6 +467,9 @@ class LossSpikeStabilizerConfig:
     grad_norm_zscore: float = 0.0
     # NaN/Inf in the loss or the gradients is an event (gradient overflow is left to a loss scaler).
     check_nonfinite: bool = True
+    # The same two tests on a Mixture of Experts' load-balancing loss (moe/aux_loss); 0 disables (default).
+    aux_loss_ratio: float = 0.0
+    aux_loss_zscore: float = 0.0
     # The escalation ladder: the n-th event within escalation_window step attempts takes actions[n-1],
     # the last one repeating; skip | cooldown | rollback | abort (every action drops the step's update).
     actions: list[str] = field(default_factory=lambda: ["skip", "cooldown", "rollback"])

@@ -54,6 +54,7 @@ class DDP(DistributedStrategy):
     """
 
     name = "ddp"
+    supports_ep = True
     # Whether the optimizer states are partitioned (ZeRO-1), and so can be offloaded on their own.
     shards_optimizer_states = False
 
@@ -100,6 +101,10 @@ class DDP(DistributedStrategy):
         return True  # every rank holds the full model anyway; DDP also broadcasts rank 0's weights
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
+        if self.dims.ep_enabled:  # split experts are reduced over their own ranks (reduce_expert_gradients)
+            experts = {id(p) for p in self.expert_parameters([model])}
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, [name for name, p in model.named_parameters() if id(p) in experts])
         return wrap_ddp(model, self.dims.dp_cp_mesh().get_group(), self.device,  # type: ignore[union-attr]
                         bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
                         comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
@@ -116,6 +121,7 @@ class DDP(DistributedStrategy):
             with sync:
                 total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), on_before_backward,
                                                   *doc_ids)
+        self.reduce_expert_gradients(model_parts)
         return total
 
 
@@ -140,10 +146,28 @@ class ShardedOptimizerStates:
     TP shard.
     """
 
-    def __init__(self, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(self, mesh: DeviceMesh, device: torch.device, expert_mesh: DeviceMesh | None = None,
+                 expert_params: Sequence[nn.Parameter] = ()) -> None:
         self._mesh = mesh
         self.device = device
         self._shards: list[tuple[nn.Parameter, DTensor]] = []
+        # Expert parallelism: the experts a rank holds are its ep rank's, so their states are partitioned
+        # over the ranks holding the same experts (edp), not over all of dp x cp.
+        self._expert_mesh = expert_mesh
+        self._expert_ids = {id(p) for p in expert_params}
+
+    def mesh_of(self, param: nn.Parameter) -> DeviceMesh:
+        """The ranks `param`'s rows are partitioned over."""
+        if id(param) in self._expert_ids and self._expert_mesh is not None:
+            return self._expert_mesh
+        return self._mesh
+
+    def _by_mesh(self) -> list[tuple[DeviceMesh, list[tuple[nn.Parameter, DTensor]]]]:
+        groups: dict[int, tuple[DeviceMesh, list[tuple[nn.Parameter, DTensor]]]] = {}
+        for param, view in self._shards:
+            mesh = self.mesh_of(param)
+            groups.setdefault(id(mesh), (mesh, []))[1].append((param, view))
+        return list(groups.values())
 
     def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         factory, weight_decay = optimizer_factory_from_config(optimizer_cfg)
@@ -158,22 +182,24 @@ class ShardedOptimizerStates:
         state after its parameter, so that it can be resharded onto another strategy."""
         return list(self._shards)
 
-    def _as_shard(self, rows: torch.Tensor, like: torch.Tensor) -> DTensor:
-        return DTensor.from_local(rows, self._mesh, [Shard(0)], run_check=False, shape=like.shape,
+    def _as_shard(self, rows: torch.Tensor, like: torch.Tensor, mesh: DeviceMesh | None = None) -> DTensor:
+        return DTensor.from_local(rows, mesh or self._mesh, [Shard(0)], run_check=False, shape=like.shape,
                                   stride=like.stride())
 
     def _sharded_view(self, param: nn.Parameter) -> DTensor:
         data = _local(param.data)
-        view = self._as_shard(shard_rows(data, self._mesh.get_local_rank(), self._mesh.size()), data)
+        mesh = self.mesh_of(param)
+        view = self._as_shard(shard_rows(data, mesh.get_local_rank(), mesh.size()), data, mesh)
         self._shards.append((param, view))
         return view
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> bool:
         """Attach each view's gradient rows, step through `precision` (which may skip), all-gather."""
-        rank, world = self._mesh.get_local_rank(), self._mesh.size()
         for param, view in self._shards:  # the all-reduced gradient's rows, as views (no copy)
+            mesh = self.mesh_of(param)
+            rank, world = mesh.get_local_rank(), mesh.size()
             grad = None if param.grad is None else _local(param.grad)
-            view.grad = None if grad is None else self._as_shard(shard_rows(grad, rank, world), grad)
+            view.grad = None if grad is None else self._as_shard(shard_rows(grad, rank, world), grad, mesh)
         stepped = precision.optimizer_step(optimizer)
         if stepped:
             self._gather_updated_rows()
@@ -187,22 +213,26 @@ class ShardedOptimizerStates:
         send buffers of one length; ranks' chunks of a parameter are contiguous rows, so concatenating
         them in rank order and dropping the tail padding gives the whole parameter.
         """
-        world = self._mesh.size()
-        locals_ = [_local(param.data) for param, _ in self._shards]
-        sizes = [_chunk_numel(data, world) for data in locals_]
-        buffer = torch.zeros(sum(sizes), dtype=locals_[0].dtype, device=self.device)
-        offset = 0
-        for (_, view), size in zip(self._shards, sizes):
-            rows = view.to_local().reshape(-1)
-            buffer[offset:offset + rows.numel()] = rows
-            offset += size
-        gathered = buffer.new_empty(world * buffer.numel())
-        dist.all_gather_into_tensor(gathered, buffer, group=self._mesh.get_group())
-        gathered = gathered.view(world, -1)
-        offset = 0
-        for data, size in zip(locals_, sizes):
-            data.copy_(gathered[:, offset:offset + size].reshape(-1)[:data.numel()].view_as(data))
-            offset += size
+        for mesh, shards in self._by_mesh():  # one all-gather per partition group (two under ep)
+            world = mesh.size()
+            locals_ = [_local(param.data) for param, _ in shards]
+            sizes = [_chunk_numel(data, world) for data in locals_]
+            buffer = torch.zeros(sum(sizes), dtype=locals_[0].dtype, device=self.device)
+            offset = 0
+            for (_, view), size in zip(shards, sizes):
+                rows = view.to_local().reshape(-1)
+                buffer[offset:offset + rows.numel()] = rows
+                offset += size
+            gathered = buffer.new_empty(world * buffer.numel())
+            if world > 1:
+                dist.all_gather_into_tensor(gathered, buffer, group=mesh.get_group())
+            else:
+                gathered.copy_(buffer)
+            gathered = gathered.view(world, -1)
+            offset = 0
+            for data, size in zip(locals_, sizes):
+                data.copy_(gathered[:, offset:offset + size].reshape(-1)[:data.numel()].view_as(data))
+                offset += size
 
 
 class ShardedGradients(ShardedOptimizerStates):
@@ -217,8 +247,9 @@ class ShardedGradients(ShardedOptimizerStates):
     """
 
     def __init__(self, mesh: DeviceMesh, device: torch.device, bucket_cap_mb: float = 25.0,
-                 reduce_dtype: torch.dtype | None = None) -> None:
-        super().__init__(mesh, device)
+                 reduce_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None,
+                 expert_params: Sequence[nn.Parameter] = ()) -> None:
+        super().__init__(mesh, device, expert_mesh, expert_params)
         self.bucket_bytes = int(bucket_cap_mb * 2**20)
         self.reduce_dtype = reduce_dtype
 
@@ -226,10 +257,10 @@ class ShardedGradients(ShardedOptimizerStates):
         """The tensors holding this rank's gradient rows (what norms and unscaling look at)."""
         return [view for _, view in self._shards]
 
-    def _buckets(self, world: int) -> list[list[tuple[nn.Parameter, DTensor]]]:
+    def _buckets(self, world: int, shards: Sequence[tuple[nn.Parameter, DTensor]]) -> list[list[tuple[nn.Parameter, DTensor]]]:
         buckets: list[list[tuple[nn.Parameter, DTensor]]] = [[]]
         size = 0
-        for param, view in self._shards:
+        for param, view in shards:
             data = _local(param.data)
             nbytes = world * _chunk_numel(data, world) * data.element_size()
             if buckets[-1] and size + nbytes > self.bucket_bytes:
@@ -242,9 +273,16 @@ class ShardedGradients(ShardedOptimizerStates):
     @torch.no_grad()
     def reduce_scatter_gradients(self) -> None:
         """Average the accumulated gradients over the ranks into each rank's rows; free the full ones."""
-        rank, world = self._mesh.get_local_rank(), self._mesh.size()
-        group = self._mesh.get_group()
-        for bucket in self._buckets(world):
+        # The mean over all dp x cp ranks: an expert's gradient (under ep) already sums its ep group's
+        # tokens, so its edp reduce-scatter is divided by dp x cp too, not by the edp size.
+        ranks = self._mesh.size()
+        for mesh, shards in self._by_mesh():
+            self._reduce_scatter(mesh, shards, ranks)
+
+    def _reduce_scatter(self, mesh: DeviceMesh, shards: Sequence[tuple[nn.Parameter, DTensor]], ranks: int) -> None:
+        rank, world = mesh.get_local_rank(), mesh.size()
+        group = mesh.get_group()
+        for bucket in self._buckets(world, shards):
             datas = [_local(param.data) for param, _ in bucket]
             sizes = [_chunk_numel(data, world) for data in datas]
             dtype = self.reduce_dtype or datas[0].dtype
@@ -258,14 +296,17 @@ class ShardedGradients(ShardedOptimizerStates):
                     padded[:flat.numel()] = flat
                     send[:, offset:offset + size] = padded.view(world, size)
                 offset += size
-            send.div_(world)  # the mean over ranks, as DDP divides before its all-reduce
+            send.div_(ranks)  # the mean over ranks, as DDP divides before its all-reduce
             received = torch.empty(sum(sizes), dtype=dtype, device=self.device)
-            dist.reduce_scatter_tensor(received, send.view(-1), op=dist.ReduceOp.SUM, group=group)
+            if world > 1:
+                dist.reduce_scatter_tensor(received, send.view(-1), op=dist.ReduceOp.SUM, group=group)
+            else:
+                received.copy_(send.view(-1))
             offset = 0
             for (param, view), data, size in zip(bucket, datas, sizes):
                 rows = shard_rows(data, rank, world)
                 grad = received[offset:offset + rows.numel()].view(rows.shape).to(data.dtype)
-                view.grad = self._as_shard(grad, data)  # views of `received`: exactly this rank's rows
+                view.grad = self._as_shard(grad, data, mesh)  # views of `received`: exactly this rank's rows
                 param.grad = None
                 offset += size
 
@@ -299,7 +340,8 @@ class ZeRO1(DDP):
                 "offload_optimizer": self.offload_optimizer}
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
-        self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device)  # type: ignore[arg-type]
+        self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device,  # type: ignore[arg-type]
+                                                     self.dims.edp_mesh(), self.expert_parameters(model_parts))
         return self.sharded_states.build_optimizer(optimizer_cfg, model_parts)
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

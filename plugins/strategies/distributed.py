@@ -10,11 +10,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.strategy import MicroBatch, Strategy, compile_blocks
 from trainer.models.context_parallel import ContextParallel, enable_context_parallel
+from trainer.models.moe import ExpertParallel, MoE, moe_layers
 from trainer.parallel_dims import ParallelDims
 
 log = logging.getLogger("trainer")
@@ -63,6 +64,36 @@ def average_in_buckets(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
                 offset += tensor.numel()
 
 
+def clip_mixed_grad_norm(model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
+    """Global gradient norm (and clipping) over gradients laid out on different meshes: expert weights on
+    the expert mesh, the others plain or on the world mesh. torch's own stacks the per-tensor norms, which
+    DTensors of different meshes refuse; here each layout's norm is reduced over its own mesh first."""
+    return clip_tensors_grad_norm([p for part in model_parts for p in part.parameters()], max_norm)
+
+
+def clip_tensors_grad_norm(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_mixed_grad_norm` over the gradients of `tensors` (parameters, or ZeRO's row views)."""
+    params = {id(p): p for p in tensors if p.grad is not None}
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params.values():
+        grad = p.grad
+        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    squared = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squared = squared + norm.float().cpu() ** 2
+    total = squared.sqrt()
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in params.values():
+                    p.grad.mul_(coef)
+    return total
+
+
 class DistributedStrategy(Strategy):
     """A strategy over several processes started by the launcher, torchrun or srun."""
 
@@ -85,7 +116,7 @@ class DistributedStrategy(Strategy):
         return {**super().planner_layout(dp, tp, pp, cp), "dp_replicate": replicate, "dp_shard": shard}
 
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
-                          pp: int = 1, cp: int = 1, cp_method: str = "ring") -> None:
+                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -98,7 +129,7 @@ class DistributedStrategy(Strategy):
             data_parallel = self.world_size // (tp * pp * cp) if dp == "auto" else int(dp)
         replicate, shard = self.data_parallel_split(data_parallel)
         self.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp,
-                                          world_size=self.world_size)
+                                          world_size=self.world_size, ep=ep)
         self.parallel_dims.build_mesh(self.device.type)
         cp_mesh = self.parallel_dims.cp_mesh()
         if cp_mesh is not None:
@@ -139,6 +170,8 @@ class DistributedStrategy(Strategy):
         # Pipeline parallelism first cuts the (meta) model into this rank's stages; every part then goes
         # through the same fixed order:
         # 1. tensor parallel (the model-parallel strategies shard Linear weights here),
+        # 1b. expert parallel (each MoE layer keeps its ep rank's experts, as DTensor shards; no other weight
+        #    changes),
         # 2. context parallel (attention across the cp ring; no weights change, so after TP it sees the
         #    local heads, and before AC so a recompute runs the same distributed attention),
         # 3. activation checkpointing (wraps whole blocks, after TP so it sees the sharded modules),
@@ -157,6 +190,7 @@ class DistributedStrategy(Strategy):
         parts = []
         for part in self.split_pipeline(model):
             self.apply_model_parallel(part)
+            self.apply_expert_parallel(part)
             self.apply_context_parallel(part)
             activation_checkpointing.apply(part)
             if compile:
@@ -173,6 +207,48 @@ class DistributedStrategy(Strategy):
 
     def apply_model_parallel(self, model: nn.Module) -> None:
         """Tensor parallelism hook (the model-parallel strategies override it)."""
+
+    def apply_expert_parallel(self, model: nn.Module) -> None:
+        """Expert parallelism (ep > 1): every MoE layer keeps n_experts / ep experts, its ep rank's, as
+        `Shard(0)` DTensors over the ep mesh (checkpoints then hold the whole expert tensors, so they
+        reshard onto any ep), and exchanges tokens with its ep group. Cutting the full weights needs no
+        communication (`src_data_rank=None`): every rank holds the same ones."""
+        mesh = self.dims.ep_mesh()
+        if mesh is None:
+            return
+        group = ExpertParallel(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+        for module in model.modules():
+            if not isinstance(module, MoE):
+                continue
+            module.expert_parallel = group
+            experts = module.experts
+            for name, param in list(experts.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+                experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def expert_parameters(self, model_parts: Sequence[nn.Module]) -> list[nn.Parameter]:
+        """The routed experts' weights (split over the ep ranks) of the model parts."""
+        return [p for _, layer in moe_layers(model_parts) for p in layer.experts.parameters()]
+
+    def reduce_expert_gradients(self, model_parts: Sequence[nn.Module]) -> None:
+        """Expert gradients under a replicating wrapper (DDP leaves them alone): each rank's already holds
+        the sum over its ep group's tokens (the all-to-all's backward brought them), so a SUM over the
+        ranks holding the same experts (edp) divided by dp x cp gives the data-parallel mean."""
+        if not self.dims.ep_enabled:
+            return
+        grads = [_local(p.grad) for p in self.expert_parameters(model_parts) if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        edp = self.dims.edp_mesh()
+        if edp is not None and edp.size() > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=edp.get_group())
+        flat /= self.dims.dp * self.dims.cp
+        offset = 0
+        with torch.no_grad():
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def apply_context_parallel(self, model: nn.Module) -> None:
         """Context parallelism: the model's attention works across the cp ring and its positions are
@@ -233,6 +309,8 @@ class DistributedStrategy(Strategy):
         return gathered
 
     def clip_grad_norm(self, model_parts: Any, max_norm: float) -> torch.Tensor:
+        if self.parallel_dims is not None and self.dims.ep_enabled:
+            return clip_mixed_grad_norm(model_parts, max_norm)
         norm = super().clip_grad_norm(model_parts, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import MicroBatch
 from trainer.loss import cross_entropy_loss
+from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.parallel_dims import ParallelDims
 from trainer.plugins.strategies.pipeline_schedule import SCHEDULES, PipelineOptions, PrecisionStage
 from trainer.plugins.strategies.pipeline_split import split_model, stage_indices_of_rank
@@ -213,7 +214,10 @@ class Pipeline:
         called). The loss goes through `precision.scale_loss` in the loss function, so a loss scaler
         scales what the schedule back-propagates.
         """
-        loss = self._run_schedule(model_parts, microbatches, train=True)
+        # MoE aux losses (on any stage) get the gradient each micro-batch's LM loss gets in the loss function.
+        unit = torch.ones((), device=self.device) / len(microbatches)
+        with aux_loss_grad_scale_set(float(self.precision.scale_loss(unit))):
+            loss = self._run_schedule(model_parts, microbatches, train=True)
         self.tied.sum_grads()
         return self._from_last_stage(loss)
 

@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from trainer.models.moe import moe_stats_paused
 from trainer.plugins.strategies.pipeline_split import stage_layer_ranges
 
 SCHEDULES: dict[str, type] = {
@@ -148,6 +149,7 @@ class PrecisionStage(PipelineStage):
             return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
-        # the forward of torch's metadata inference (first step, and after each eval/train switch)
-        with self._autocast():
+        # the forward of torch's metadata inference (first step, and after each eval/train switch): not a
+        # training forward, so MoE layers leave it out of their load statistics
+        with self._autocast(), moe_stats_paused():
             return super()._compute_outputs(*args, module=module, **kwargs)

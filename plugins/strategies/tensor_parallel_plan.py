@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -50,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.models.common import StreamDropout
+from trainer.models.moe import MoE
 
 
 class ReplicateParallel(ParallelStyle):
@@ -111,11 +113,19 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     residual = Shard(1) if sequence_parallel else Replicate()
     # Llama: (x, rope, doc_ids); GPT: (x, doc_ids) (doc_ids: None without document masking)
     attention_inputs = (residual, None, None) if hasattr(block.attention, "wq") else (residual, None)
+    feed_forward: ParallelStyle = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
+    if isinstance(block.feed_forward, MoE):
+        # A Mixture of Experts runs whole on every tp rank (its weights replicated, `_replicate_moe`) on the
+        # all-gathered sequence, as plain tensors; its output goes back to the residual layout (a local
+        # slice under sequence parallelism, whose backward all-gathers the output gradient).
+        feed_forward = PrepareModuleInputOutput(
+            input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(residual,), use_local_output=not sequence_parallel)
     plan: dict[str, ParallelStyle] = {
         # all-gather of the sequence-sharded normed input before the column-parallel projections
         "attention": PrepareModuleInput(input_layouts=attention_inputs,
                                         desired_input_layouts=(Replicate(),) + attention_inputs[1:]),
-        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "feed_forward": feed_forward,
     }
     present = {name for name, _ in block.named_modules()}
     # heads split (and the MLP's hidden width): each rank computes its columns
@@ -127,6 +137,22 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     plan["attention_norm"] = norm_style
     plan["ffn_norm"] = norm_style
     return plan
+
+
+def _replicate_moe(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Every weight of a block's MoE (router, experts, shared experts) becomes a Replicate DTensor on the tp
+    mesh: each rank computes the whole layer on the same tokens, so their gradients agree without a
+    reduction, and every parameter is a DTensor (gradient clipping refuses a mix). The layer multiplies
+    with the local values."""
+    moe = block.feed_forward
+    if not isinstance(moe, MoE):
+        return
+    for module in moe.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
 def _check_splittable(model: nn.Module) -> None:
@@ -194,6 +220,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():  # type: ignore[union-attr]
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+        _replicate_moe(block, tp_mesh)
     _give_split_dropout_own_streams(model, tp_mesh.get_local_rank(), sequence_parallel)
 
     if tied:

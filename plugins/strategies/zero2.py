@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
@@ -28,6 +29,7 @@ class ZeRO2(DistributedStrategy):
     """Replicated parameters; gradients and optimizer states partitioned over the data-parallel ranks."""
 
     name = "zero2"
+    supports_ep = True
 
     def __init__(self, bucket_cap_mb: float = 25.0, offload_params: bool = False, offload_optimizer: bool = False,
                  init: str = "auto", name: str | None = None) -> None:
@@ -56,7 +58,9 @@ class ZeRO2(DistributedStrategy):
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         self.sharded = ShardedGradients(self.dims.dp_cp_mesh(), self.device,  # type: ignore[arg-type]
-                                        bucket_cap_mb=self.bucket_cap_mb, reduce_dtype=self.precision.reduce_dtype)
+                                        bucket_cap_mb=self.bucket_cap_mb, reduce_dtype=self.precision.reduce_dtype,
+                                        expert_mesh=self.dims.edp_mesh(),
+                                        expert_params=self.expert_parameters(model_parts))
         return self.sharded.build_optimizer(optimizer_cfg, model_parts)
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,6 +78,19 @@ class ZeRO2(DistributedStrategy):
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         assert self.sharded is not None
         views = [view for view in self.sharded.views() if view.grad is not None]
+        if self.dims.ep_enabled:
+            # Expert rows are partitioned over edp within each ep rank, the others over dp x cp: either way
+            # each row lives on exactly one rank of dp x cp, so the squares summed over dp x cp are the norm's.
+            squared = sum((view.grad.to_local().float().square().sum() for view in views),
+                          torch.zeros((), device=self.device))
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.dims.dp_cp_mesh().get_group())  # type: ignore[union-attr]
+            total = squared.sqrt()
+            coef = min(1.0, max_norm / (float(total) + 1e-6)) if max_norm > 0 else 1.0
+            if coef < 1.0:
+                with torch.no_grad():
+                    for view in views:
+                        view.grad.mul_(coef)
+            return total
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(views, max_norm, foreach=True)
         else:

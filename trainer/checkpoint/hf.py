@@ -9,6 +9,11 @@ conversion scripts permute away).
 
 Import goes through DCP's `HuggingFaceStorageReader`, so the safetensors load straight into whatever
 layout the run uses (FSDP shards, tensor-parallel slices, pipeline stages): `init_from=HF_DIR`.
+
+Mixture-of-Experts Llamas (`model.n_experts > 0`, no shared experts) are Mixtral: `MixtralForCausalLM`
+with the Hub's layout, the router as `block_sparse_moe.gate` and expert j's SwiGLU as
+`block_sparse_moe.experts.<j>.w1/w2/w3` (our experts are stacked [E, ...] tensors, split on export and
+stacked again on import; transformers >= 5 fuses them itself when loading).
 """
 
 from __future__ import annotations
@@ -51,17 +56,35 @@ _GLOBAL_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_MIXTRAL_ROUTER = ("feed_forward.router.weight", "block_sparse_moe.gate.weight")
+_EXPERT_WEIGHTS = ("w1", "w2", "w3")  # ours feed_forward.experts.<w> [E, ...] <-> experts.<j>.<w>.weight
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def expert_weight(name: str) -> Optional[tuple[int, str]]:
+    """(layer, w1|w2|w3) when `name` is one of our stacked expert weights, else None."""
+    match = _LAYER.match(name)
+    if match and match.group(2).startswith("feed_forward.experts.") and match.group(2).split(".")[-1] in _EXPERT_WEIGHTS:
+        return int(match.group(1)), match.group(2).split(".")[-1]
+    return None
+
+
+def hf_expert_name(layer: int, expert: int, weight: str) -> str:
+    """Hugging Face Mixtral's name of expert `expert`'s `weight` (w1, w2, w3) in layer `layer`."""
+    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{weight}.weight"
+
+
 def to_hf_name(name: str) -> str:
-    """Hugging Face's name of one of our Llama weights."""
+    """Hugging Face's name of one of our Llama weights (Mixtral's router for an MoE layer's; the stacked
+    experts have one name per expert: `hf_expert_name`)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER.match(name)
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) == _MIXTRAL_ROUTER[0]:
+        return f"model.layers.{match.group(1)}.{_MIXTRAL_ROUTER[1]}"
     raise KeyError(f"{name} has no Hugging Face Llama counterpart")
 
 
@@ -75,11 +98,56 @@ def from_hf_name(name: str) -> str:
         for ours, theirs in _LAYER_NAMES.items():
             if match.group(2) == theirs:
                 return f"layers.{match.group(1)}.{ours}"
+        if match.group(2) == _MIXTRAL_ROUTER[1]:
+            return f"layers.{match.group(1)}.{_MIXTRAL_ROUTER[0]}"
     raise KeyError(f"{name} is not a Hugging Face Llama weight this model has")
 
 
+def check_mixtral(config: LlamaConfig) -> None:
+    """Raise CheckpointError when an MoE config is not one Mixtral can express."""
+    if not config.is_moe:
+        return
+    problems = []
+    if config.n_shared_experts:
+        problems.append("shared experts")
+    if config.top_k == 1 or not config.router_renormalize:
+        problems.append("router weights not renormalised over the top-k (Mixtral renormalises, top_k >= 2)")
+    if config.router_bias_update_rate > 0:
+        problems.append("an auxiliary-loss-free selection bias")
+    if config.capacity_factor > 0:
+        problems.append("a capacity factor (Mixtral is dropless)")
+    if problems:
+        raise CheckpointError("this Mixture of Experts has no Hugging Face Mixtral counterpart: " + "; ".join(problems))
+
+
 def hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """`config.json` of LlamaForCausalLM for our Llama config."""
+    """`config.json` of LlamaForCausalLM (MixtralForCausalLM for an MoE) for our Llama config."""
+    if config.is_moe:
+        check_mixtral(config)
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.dim,
+            "intermediate_size": config.expert_hidden_dim,
+            "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads,
+            "num_key_value_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.norm_eps,
+            "rope_theta": config.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "sliding_window": None,
+            "num_local_experts": config.n_experts,
+            "num_experts_per_tok": config.top_k,
+            "router_aux_loss_coef": config.router_aux_loss_coef,
+            "output_router_logits": False,
+            "tie_word_embeddings": config.tie_embeddings,
+            "initializer_range": config.init_std,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -105,9 +173,17 @@ def hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[s
 
 
 def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
-    """Our Llama config for a Hugging Face `config.json` (plain RoPE, no biases)."""
-    if hf.get("model_type") not in (None, "llama"):
-        raise CheckpointError(f"model_type={hf.get('model_type')!r}: only Hugging Face Llama models can be imported")
+    """Our Llama config for a Hugging Face `config.json` (Llama or Mixtral; plain RoPE, no biases)."""
+    if hf.get("model_type") not in (None, "llama", "mixtral"):
+        raise CheckpointError(f"model_type={hf.get('model_type')!r}: only Hugging Face Llama and Mixtral models "
+                              "can be imported")
+    moe: dict[str, Any] = {}
+    if hf.get("model_type") == "mixtral":
+        if hf.get("sliding_window"):
+            raise CheckpointError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not implemented")
+        moe = dict(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                   moe_hidden_dim=hf["intermediate_size"],
+                   router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.02))
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -130,6 +206,7 @@ def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
         max_seq_len=hf.get("max_position_embeddings", 4096),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=hf.get("initializer_range", 0.02),
+        **moe,
     )
 
 
@@ -152,12 +229,21 @@ def export_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, out_d
         raise CheckpointError(f"only Llama models export to the Hugging Face Llama format, not {type(config).__name__}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_mixtral(config)
     tensors = {}
     for name, tensor in state.items():
         if name == "output.weight" and config.tie_embeddings:
             continue  # HF ties lm_head to embed_tokens itself
+        if name.endswith("expert_bias"):
+            continue  # a buffer of the auxiliary-loss-free balancing (check_mixtral refused a used one)
         tensor = tensor.detach().to("cpu")
-        tensors[to_hf_name(name)] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
+        tensor = tensor if dtype is None else tensor.to(dtype)
+        expert = expert_weight(name)
+        if expert is not None:  # one tensor per expert, as Mixtral checkpoints hold them
+            for index in range(tensor.shape[0]):
+                tensors[hf_expert_name(expert[0], index, expert[1])] = tensor[index].contiguous()
+            continue
+        tensors[to_hf_name(name)] = tensor.contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     saved_dtype = dtype or next(iter(tensors.values())).dtype
     (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(config, saved_dtype), indent=2) + "\n")
@@ -221,19 +307,50 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
 
     directory = Path(directory)
     theirs = read_hf_config(directory)
-    problems = architecture_mismatch({"class": "LlamaConfig", **dataclasses.asdict(theirs)},
-                                     model_config_dict(trainer))
+    saved, current = {"class": "LlamaConfig", **dataclasses.asdict(theirs)}, dict(model_config_dict(trainer) or {})
+    if theirs.is_moe:  # the dense SwiGLU width is unused by an MoE (Mixtral's intermediate_size is the experts')
+        for key in ("ffn_hidden_dim", "multiple_of", "ffn_dim_multiplier"):
+            saved.pop(key, None)
+            current.pop(key, None)
+    problems = architecture_mismatch(saved, current)
     if problems:
         raise CheckpointError(f"{directory} holds another architecture than this run's model: " + "; ".join(problems))
     ours = model_state(trainer.model_parts)
+    experts = {key: value for key, value in ours.items() if expert_weight(key) is not None}
     # A tied head has no lm_head entry: it reads embed_tokens (a pipeline's last stage holds its own copy).
     names = {key: to_hf_name("tok_embeddings.weight" if key == "output.weight" and theirs.tie_embeddings else key)
-             for key in ours}
+             for key in ours if key not in experts and not key.endswith("expert_bias")}
     template = {hf_name: ours[key] for key, hf_name in names.items()}
     with dcp_call() as no_dist:
         dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
                  no_dist=no_dist)
-    load_model_state(trainer.model_parts, {key: template[hf_name] for key, hf_name in names.items()})
+    loaded = {key: template[hf_name] for key, hf_name in names.items()}
+    loaded.update({key: _read_stacked_experts(directory, key, value) for key, value in experts.items()})
+    loaded.update({key: value for key, value in ours.items() if key.endswith("expert_bias")})
+    load_model_state(trainer.model_parts, loaded)
+
+
+def _read_stacked_experts(directory: Path, key: str, like: torch.Tensor) -> torch.Tensor:
+    """Our stacked expert weight `key` from Mixtral's per-expert tensors, in `like`'s layout (a DTensor
+    keeps its mesh and placements: each rank keeps its part of the full tensor)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    layer, weight = expert_weight(key)  # type: ignore[misc]
+    wanted = {hf_expert_name(layer, e, weight): e for e in range(like.shape[0])}
+    pieces: dict[int, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name in wanted:
+                    pieces[wanted[name]] = f.get_tensor(name)
+    if len(pieces) != like.shape[0]:
+        raise CheckpointError(f"{directory} lacks experts of layer {layer} ({weight}): found {sorted(pieces)}")
+    full = torch.stack([pieces[e] for e in range(like.shape[0])]).to(like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full.to(like.device_mesh.device_type), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+    return full.to(like.device)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

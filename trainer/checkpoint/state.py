@@ -86,7 +86,8 @@ def model_config_dict(trainer: "Trainer") -> dict[str, Any] | None:
 # Fields that change tensor shapes: a checkpoint loads only into a model that agrees on all of them
 # (Llama's max_seq_len only sizes the RoPE table, which is not saved; GPT's sizes its position embedding).
 ARCHITECTURE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
-                       "multiple_of", "ffn_dim_multiplier", "tie_embeddings", "bias")
+                       "multiple_of", "ffn_dim_multiplier", "tie_embeddings", "bias", "n_experts",
+                       "moe_hidden_dim", "n_shared_experts")
 POSITION_TABLE_FAMILIES = ("GPTConfig",)
 
 

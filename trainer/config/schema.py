@@ -147,6 +147,9 @@ class Config:
     # trainer.seq_len must divide by 2 x cp) or `all_to_all` (DeepSpeed-Ulysses: sequence shards <-> head
     # groups; n_heads / tp must divide by cp, trainer.seq_len by cp).
     cp_method: str = "ring"
+    # Expert parallelism: the experts of every MoE layer (model.n_experts > 0) split over ep ranks borrowed
+    # from the data-parallel ones (ep divides dp x cp and model.n_experts), tokens exchanged by all-to-all.
+    ep: int = 1
     # Where the run starts: auto (the latest complete checkpoint in the run's checkpoint directory, a
     # fresh start if there is none), none, or the path of a checkpoint or of a directory of checkpoints.
     resume: str = "auto"

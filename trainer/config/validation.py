@@ -202,6 +202,7 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
         raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
     # tensor parallelism: can the model split over tp? (a no-op for strategies without it)
     _validate_context_parallel(cfg, model_cfg)
+    _validate_expert_parallel(cfg, model_cfg, strategy)
     if cfg.mode != "plan":  # a plan reports it as a warning (trainer/planner)
         try:  # each cp rank's tensor-parallel group splits that rank's part of the sequence
             strategy.check_tensor_parallel(model_cfg, int(cfg.tp), int(cfg.trainer.seq_len) // int(cfg.cp),
@@ -212,6 +213,25 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
     if max_seq_len is not None:
         _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",
                  f"{cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} of model {cfg.model.name}")
+
+
+def _validate_expert_parallel(cfg: DictConfig, model_cfg: Any, strategy: "Strategy") -> None:
+    """ep borrows data-parallel ranks to split the experts: it needs an MoE model, a strategy that splits
+    experts, and must divide both the experts and dp x cp."""
+    ep = cfg.get("ep", 1)
+    _require(isinstance(ep, int) and ep >= 1, "ep", f"must be a positive integer, got {ep!r}")
+    if ep == 1:
+        return
+    n_experts = int(getattr(model_cfg, "n_experts", 0) or 0)
+    _require(n_experts > 0, "ep", f"ep={ep} splits Mixture-of-Experts layers, but model {cfg.model.name} has none "
+                                  "(set model.n_experts, e.g. model=tiny_moe)")
+    name = cfg.strategy.get("name", None) or strategy.name
+    _require(strategy.supports_ep, "ep", f"ep={ep} needs strategy=ddp, zero1, zero2, zero3 or fsdp (strategy={name} does not "
+                                         "split experts)")
+    _require(n_experts % ep == 0, "ep", f"ep={ep} does not divide model.n_experts={n_experts}")
+    ranks = data_parallel_size(cfg) * int(cfg.cp)
+    _require(ranks % ep == 0, "ep", f"ep={ep} does not divide the data-parallel x context-parallel size "
+                                    f"{data_parallel_size(cfg)} x {cfg.cp} = {ranks} (experts borrow those ranks)")
 
 
 def _validate_context_parallel(cfg: DictConfig, model_cfg: Any) -> None:

@@ -22,6 +22,7 @@ from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
 from trainer.loss import cross_entropy_loss
 from trainer.models.documents import document_ids
+from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.optim import optimizer_from_config
 from trainer.parallel_dims import ParallelDims
 
@@ -67,6 +68,8 @@ class Strategy:
     uses_tp: bool = False
     uses_pp: bool = False
     uses_cp: bool = False
+    # Whether the strategy can split MoE experts over data-parallel ranks (`ep` > 1).
+    supports_ep: bool = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -126,10 +129,10 @@ class Strategy:
 
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
-                          pp: int = 1, cp: int = 1, cp_method: str = "ring") -> None:
+                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1) -> None:
         """Pick the device and the intra-op thread count; distributed subclasses also join the process
         group and build the mesh from the parallel sizes (ignored here: everything is 1)."""
-        del dp, tp, pp, cp, cp_method
+        del dp, tp, pp, cp, cp_method, ep
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)
@@ -238,8 +241,16 @@ class Strategy:
         loss = cross_entropy_loss(logits, targets) / num_microbatches
         if on_before_backward is not None:
             on_before_backward(loss)
-        self.precision.scale_loss(loss).backward()
+        # MoE aux losses get the gradient the LM loss gets: 1 / micro-batches, times a loss scaler's scale.
+        with aux_loss_grad_scale_set(self.aux_loss_grad_scale(num_microbatches)):
+            self.precision.scale_loss(loss).backward()
         return loss.detach()
+
+    def aux_loss_grad_scale(self, num_microbatches: int) -> float:
+        """The factor one micro-batch's loss is multiplied by before its backward (1 / micro-batches, times
+        the precision plugin's loss scale): the gradient MoE layers give their auxiliary losses."""
+        unit = torch.ones((), device=self.device) / num_microbatches
+        return float(self.precision.scale_loss(unit))
 
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:

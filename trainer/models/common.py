@@ -10,6 +10,7 @@ from torch import nn
 
 from trainer.models.context_parallel import ContextParallel
 from trainer.models.documents import document_positions
+from trainer.models.moe import MoE
 
 
 def require_divisible(numerator: int, denominator: int, what: str) -> None:
@@ -142,8 +143,25 @@ class CausalLM(nn.Module):
             excluded = {id(p) for m in self._embedding_tables() for p in m.parameters()}
         return unique_numel(p for p in self.parameters() if id(p) not in excluded)
 
+    def _inactive_expert_params(self) -> int:
+        """Routed-expert weights a token does not use: (n_experts - top_k) / n_experts of each MoE layer's
+        experts (global shapes, also when the experts are split over ranks)."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, MoE):
+                experts = sum(p.numel() for p in module.experts.parameters())
+                total += experts - experts * module.top_k // module.n_experts
+        return total
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all of them for a dense model; for a Mixture of Experts everything
+        but the routed experts it is not sent to (embedding, head, router and norms counted; top_k of
+        n_experts experts)."""
+        return self.num_params() - self._inactive_expert_params()
+
     def num_matmul_params(self) -> int:
-        """Number of weights that take part in matmuls: every ``nn.Linear`` weight.
+        """Number of weights one token multiplies with: every ``nn.Linear`` weight, plus the top_k of
+        n_experts routed-expert weights of each MoE layer (the active ones: FLOPs and MFU count those).
 
         The output head counts even when tied to the embedding (it is still a matmul);
         biases, norms and embedding lookups do not.
@@ -152,6 +170,9 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 total += module.weight.numel()
+            elif isinstance(module, MoE):
+                experts = sum(p.numel() for p in module.experts.parameters())
+                total += experts * module.top_k // module.n_experts
         return total
 
     def flops_per_token(self, seq_len: int) -> int:

@@ -24,6 +24,7 @@ from trainer.models.common import (
 )
 from trainer.models.context_parallel import ContextParallel
 from trainer.models.documents import document_mask
+from trainer.models.moe import MoE
 
 
 @dataclass
@@ -60,6 +61,29 @@ class LlamaConfig:
     tie_embeddings: bool = False
     # Std of the normal init; residual output projections use init_std / sqrt(2 * n_layers).
     init_std: float = 0.02
+    # ---- Mixture of Experts (trainer/models/moe.py); n_experts = 0 keeps the dense SwiGLU feed-forward ----
+    # Routed experts per layer (each a SwiGLU of width moe_hidden_dim).
+    n_experts: int = 0
+    # Experts each token is sent to (token-choice top-k).
+    top_k: int = 2
+    # Shared experts every token goes through (DeepSeek), as one SwiGLU of n_shared_experts x moe_hidden_dim.
+    n_shared_experts: int = 0
+    # Width of one expert's SwiGLU; None = hidden_dim.
+    moe_hidden_dim: Optional[int] = None
+    # Renormalise the top-k router probabilities to sum to 1 (Mixtral, DeepSeek-V3; ignored for top_k = 1).
+    router_renormalize: bool = True
+    # Coefficient of the Switch/Mixtral load-balancing loss E * sum_e f_e P_e (1.0 when balanced); 0 = off.
+    router_aux_loss_coef: float = 0.01
+    # Coefficient of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 = off.
+    router_z_loss_coef: float = 0.0
+    # DeepSeek-V3 auxiliary-loss-free balancing: per-expert selection bias moved by this much per step
+    # towards the mean load (their gamma, 1e-3); 0 = off.
+    router_bias_update_rate: float = 0.0
+    # Tokens per expert per micro-batch capped at ceil(capacity_factor * tokens * top_k / n_experts), the
+    # rest dropped (counted); 0 = dropless.
+    capacity_factor: float = 0.0
+    # Multiply each expert's tokens with torch's grouped matmul where it applies (else one matmul per expert).
+    moe_grouped_mm: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +100,34 @@ class LlamaConfig:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.ffn_hidden_dim is not None:
             require_positive(self.ffn_hidden_dim, "ffn_hidden_dim")
+        self.validate_moe()
+
+    def validate_moe(self) -> None:
+        """Raise ``ValueError`` on inconsistent Mixture-of-Experts options."""
+        if self.n_experts < 0:
+            raise ValueError(f"model.n_experts must be >= 0 (0: dense), got {self.n_experts}")
+        if self.n_experts == 0:
+            if self.n_shared_experts:
+                raise ValueError("model.n_shared_experts needs routed experts: set model.n_experts > 0")
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} must be between 1 and model.n_experts={self.n_experts}")
+        if self.n_shared_experts < 0 or (self.moe_hidden_dim is not None and self.moe_hidden_dim <= 0):
+            raise ValueError("model.n_shared_experts must be >= 0 and model.moe_hidden_dim positive")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate", "capacity_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {value}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the feed-forward layers are Mixtures of Experts."""
+        return self.n_experts > 0
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """SwiGLU width of one routed expert."""
+        return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.hidden_dim
 
     @property
     def num_kv_heads(self) -> int:
@@ -219,6 +271,18 @@ class FeedForward(nn.Module):
         init_linear_(self.w2, residual_std)
 
 
+def make_feed_forward(config: LlamaConfig) -> nn.Module:
+    """The dense SwiGLU, or a Mixture of Experts when ``config.n_experts > 0``."""
+    if not config.is_moe:
+        return FeedForward(config.dim, config.hidden_dim)
+    hidden = config.expert_hidden_dim
+    shared = FeedForward(config.dim, hidden * config.n_shared_experts) if config.n_shared_experts else None
+    return MoE(config.dim, hidden, config.n_experts, config.top_k, shared_experts=shared,
+               aux_loss_coef=config.router_aux_loss_coef, z_loss_coef=config.router_z_loss_coef,
+               bias_update_rate=config.router_bias_update_rate, capacity_factor=config.capacity_factor,
+               renormalize=config.router_renormalize, grouped_mm=config.moe_grouped_mm)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block ``x + attn(norm(x))`` then ``h + ffn(norm(h))``; stateless forward."""
 
@@ -227,7 +291,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.hidden_dim)
+        self.feed_forward: nn.Module = make_feed_forward(config)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -24,6 +24,11 @@ What each strategy of this trainer communicates (M micro-batches per step):
   gradients in the backward, each all-to-all moving (cp-1)/cp of the rank's tensor. Recomputed blocks
   (and the attention core under `attention` checkpointing) communicate their forward again. Gradients of
   the weights are averaged over dp x cp (the dp groups above include the cp ranks).
+- ep (per MoE layer and micro-batch): the top_k copies of each of this rank's tokens go to their experts'
+  ranks and come back (two all-to-alls in the forward, two in the backward, again for a recomputed block),
+  each moving (ep-1)/ep of tokens x top_k x dim activations (uniform routing); expert gradients are
+  reduced over the edp = dp x cp / ep ranks holding the same experts (in the dp collectives above, which
+  count them at full size: an upper bound).
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
                                   spans_nodes(layout, "dp_replicate", gpn)))
     if layout.cp > 1:
         out += context_parallel_collectives(inv, layout, coords, gpn)
+    if layout.ep > 1 and inv.n_experts:
+        out += expert_parallel_collectives(inv, layout, coords, gpn)
     if layout.tp > 1:
         activation = layout.local_seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
         per_layer = 4  # forward and backward: two all-reduces each (or their all-gather/reduce-scatter halves)
@@ -144,6 +151,20 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
 def _spans(layout: Layout, dimensions: tuple[str, ...], devices_per_node: int) -> bool:
     """Whether a group joining several mesh dimensions crosses nodes (its outermost dimension in use does)."""
     return any(spans_nodes(layout, d, devices_per_node) for d in dimensions if getattr(layout, d) > 1)
+
+
+def expert_parallel_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
+                                devices_per_node: int) -> list[Collective]:
+    """The token dispatch and combine of expert parallelism for one rank and step (module docstring)."""
+    from trainer.planner.activations import checkpointed_layers
+
+    part = rank_part(inv, layout, coords.pp)
+    passes = layout.num_microbatches * (2 * part.layers + checkpointed_layers(layout, inv, coords.pp))
+    rows = layout.local_seq_len * layout.micro_batch_size * inv.top_k  # token copies this rank routes
+    payload = rows * inv.dim * layout.compute_bytes
+    # ep groups are ep consecutive ranks of dp x cp (stride tp): they cross nodes when ep x cp x tp... exceeds a node
+    span = layout.ep * layout.cp * layout.tp > devices_per_node
+    return [Collective("ep", ALL_TO_ALL, 2 * passes, layout.ep, 2 * passes * payload, span)]
 
 
 def context_parallel_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,

@@ -67,6 +67,9 @@ class Plan:
     per_rank_total: dict[int, float]  # device bytes of each pipeline position's rank
     details: dict[str, Any]  # temporaries, activation terms, step time parts
     communication: list[dict[str, Any]]
+    # Parameters a token uses (= num_params for a dense model; top_k of n_experts experts for an MoE).
+    num_active_params: int = 0
+    ep: int = 1  # expert-parallel size (experts split over ep of the dp x cp ranks)
     exact: Optional[dict[str, int]] = None  # params/grads/optimizer bytes counted on the meta device
     exact_error: Optional[str] = None
     warnings: list[str] = field(default_factory=list)
@@ -182,7 +185,8 @@ def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: H
         "headroom": options.headroom,
     }
     return Plan(
-        model=str(cfg.model.name), num_params=inv.num_params(), hardware=hardware.name, world_size=layout.world_size,
+        model=str(cfg.model.name), num_params=inv.num_params(), num_active_params=inv.num_active_params(), ep=layout.ep,
+        hardware=hardware.name, world_size=layout.world_size,
         strategy=layout.strategy, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
         context_parallel=context_parallel_statement(layout), dp_flavour=layout.dp_flavour,
         checkpointing=layout.checkpointing, precision=layout.precision, micro_batch_size=layout.micro_batch_size,

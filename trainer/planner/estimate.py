@@ -65,7 +65,8 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
     if acts.logits_transient:
         fb["logits and their gradient"] = acts.logits_transient
     if layout.fsdp:
-        layer_numel = sum(p.numel for p in inv.layer) / layout.tp
+        # (a rank holds 1/ep of each MoE layer's experts)
+        layer_numel = sum(p.numel / (layout.ep if p.expert else 1) for p in inv.layer) / layout.tp
         root = full - part.layers * layer_numel
         if layout.reshard_after_forward:
             gathered = (1 + layout.prefetch_blocks) * layer_numel + root

@@ -124,7 +124,7 @@ def _count_on_meta(cfg: DictConfig, rank: int, world: int) -> dict[str, int]:
         pp = int(cfg.pp) if strategy.uses_pp else 1
         cp = int(cfg.cp) if strategy.uses_cp else 1
         strategy.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp,
-                                              world_size=world)
+                                              world_size=world, ep=int(cfg.get("ep", 1)))
         strategy.parallel_dims.build_mesh("cpu")
         precision = instantiate(cfg.precision)
         strategy.connect_precision(precision)

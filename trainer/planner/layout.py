@@ -40,6 +40,9 @@ class Layout:
     cp: int = 1
     # ring (K/V blocks round the cp ring) or all_to_all (Ulysses); see trainer/models/context_parallel.py.
     cp_method: str = "ring"
+    # Expert parallel: MoE experts split over ep of the dp x cp ranks (trainer/parallel_dims.py); expert
+    # weights are then replicated or sharded over the dp x cp / ep ranks left (edp).
+    ep: int = 1
     # FSDP: free the gathered parameters after each block's forward (zero3) or keep them (shard_grad_op).
     reshard_after_forward: bool = True
     prefetch_blocks: int = 1
@@ -104,6 +107,11 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def edp(self) -> int:
+        """Ranks holding the same experts: dp x cp / ep."""
+        return self.dp * self.cp // self.ep
+
+    @property
     def local_seq_len(self) -> int:
         """Tokens of each sequence one rank holds (the whole sequence without context parallelism)."""
         return self.seq_len // self.cp
@@ -148,7 +156,7 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     t = cfg.trainer
     return Layout(
         world_size=world_size(cfg), strategy=str(cfg.strategy.get("name", None) or strategy.name), **topology,
-        cp_method=str(cfg.cp_method),
+        cp_method=str(cfg.cp_method), ep=int(cfg.get("ep", 1)),
         checkpointing=str(checkpointing.name), checkpoint_every_n=checkpointing.checkpoint_every_n,
         micro_batch_size=int(t.micro_batch_size), global_batch_size=int(t.global_batch_size), seq_len=int(t.seq_len),
         precision=str(precision.name),

@@ -204,16 +204,18 @@ def rank_numel(inv: ModelInventory, layout: Layout, coords: RankCoords) -> tuple
     """(model-parallel local elements, of which this rank's data-parallel shard) for one rank."""
     # cached on what decides it, so the search's policy and micro-batch variants share the result
     key = (layout.tp, layout.pp, layout.virtual_stages, layout.layers_per_stage, layout.embedding_weight,
-           layout.head_weight, layout.dp_flavour, layout.dp_replicate, layout.dp_shard, layout.cp)
+           layout.head_weight, layout.dp_flavour, layout.dp_replicate, layout.dp_shard, layout.cp, layout.ep)
     return _rank_numel(inv, key, coords)
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[int, int]:
-    tp, pp, virtual, per_stage, embedding_weight, head_weight, flavour, replicate, shards, cp = key
+    tp, pp, virtual, per_stage, embedding_weight, head_weight, flavour, replicate, shards, cp, ep = key
     layout = Layout(world_size=tp * pp * replicate * shards * cp, dp_replicate=replicate, dp_shard=shards, tp=tp,
                     pp=pp, cp=cp, strategy="", dp_flavour=flavour, virtual_stages=virtual, layers_per_stage=per_stage,
-                    embedding_weight=embedding_weight, head_weight=head_weight)
+                    embedding_weight=embedding_weight, head_weight=head_weight, ep=ep)
+    # expert parallelism: rank i of dp x cp holds expert block i % ep, sharded (FSDP) over the i // ep axis
+    dp_cp_index = (coords.dp_replicate * shards + coords.dp_shard) * cp + coords.cp
     # the cp ranks join the partition (mesh order: the cp coordinate is the inner one of each group)
     replica_index = coords.dp_replicate * cp + coords.cp
     shard_index = coords.dp_shard * cp + coords.cp
@@ -221,12 +223,23 @@ def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[in
     flavour = layout.dp_flavour
     for spec, copies in rank_param_specs(inv, layout, coords.pp):
         shape = spec.local_shape(layout.tp)
+        if spec.expert and ep > 1:
+            shape = (shape[0] // ep, *shape[1:])
         numel = 1
         for size in shape:
             numel *= size
         rows = shape[0]
         row_numel = numel // rows if rows else 0
-        if flavour in ("zero1", "zero2"):
+        if spec.expert and ep > 1:
+            # zero3/fsdp: sharded over edp on dim 1 (fsdp.py); zero1/zero2: their states' rows partitioned over
+            # edp (ddp.py's ShardedOptimizerStates); ddp: replicated over edp
+            if flavour in ("shard_grad_op", "zero3", "hybrid_shard"):
+                part = rows * chunk_rows(shape[1], dp_cp_index // ep, layout.edp) * (numel // (rows * shape[1]))
+            elif flavour in ("zero1", "zero2"):
+                part = chunk_rows(rows, dp_cp_index // ep, layout.edp) * row_numel
+            else:
+                part = numel
+        elif flavour in ("zero1", "zero2"):
             part = chunk_rows(rows, replica_index, layout.replica_group) * row_numel
         elif flavour in ("shard_grad_op", "zero3", "hybrid_shard"):
             part = chunk_rows(rows, shard_index, layout.shard_group) * row_numel

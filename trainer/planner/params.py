@@ -27,6 +27,10 @@ class ParamSpec:
     tp_dim: Optional[int]
     # Takes part in a matmul (counted by the model FLOPs: every nn.Linear weight).
     matmul: bool = False
+    # A stacked routed-expert weight [n_experts, ...]: split over the ep ranks on dim 0, and a token uses
+    # `active` of it (top_k / n_experts; 1.0 for every other weight).
+    expert: bool = False
+    active: float = 1.0
 
     @property
     def numel(self) -> int:
@@ -63,6 +67,9 @@ class ModelInventory:
     embedding: tuple[ParamSpec, ...]
     layer: tuple[ParamSpec, ...]  # one transformer block (all blocks are alike)
     head: tuple[ParamSpec, ...]  # final norm, output head (empty head weight when tied)
+    # Mixture of Experts (0: dense): routed experts per layer and experts per token.
+    n_experts: int = 0
+    top_k: int = 1
 
     @property
     def attention_dim(self) -> int:
@@ -80,12 +87,22 @@ class ModelInventory:
         return (sum(p.numel for p in self.embedding) + self.n_layers * self.layer_numel()
                 + sum(p.numel for p in self.head))
 
+    def num_active_params(self) -> int:
+        """Parameters one token uses (`CausalLM.num_active_params`): top_k of n_experts routed experts."""
+        inactive = sum(p.numel - round(p.numel * p.active) for p in self.layer if p.expert)
+        return self.num_params() - self.n_layers * inactive
+
+    def layer_matmul_params(self) -> int:
+        """Matmul weights one token multiplies with in one block (its top_k experts for an MoE)."""
+        return sum(round(p.numel * p.active) for p in self.layer if p.matmul)
+
     def num_matmul_params(self) -> int:
-        """Weights of every Linear (the output head counts even when tied: it is still a matmul)."""
+        """Weights of every Linear (the output head counts even when tied: it is still a matmul), and the
+        active routed experts."""
         head = sum(p.numel for p in self.head if p.matmul)
         if self.tied:
             head += self.vocab_size * self.dim
-        return self.n_layers * sum(p.numel for p in self.layer if p.matmul) + head
+        return self.n_layers * self.layer_matmul_params() + head
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, Narayanan et al. 2021's convention (as `CausalLM.flops_per_token`):
@@ -95,7 +112,7 @@ class ModelInventory:
 
     def block_forward_flops_per_token(self, seq_len: int) -> int:
         """Forward FLOPs of one transformer block per token (what a full recompute runs again)."""
-        return 2 * sum(p.numel for p in self.layer if p.matmul) + 4 * seq_len * self.attention_dim
+        return 2 * self.layer_matmul_params() + 4 * seq_len * self.attention_dim
 
     def attention_core_forward_flops_per_token(self, seq_len: int) -> int:
         """Forward FLOPs of one block's attention core (QK^T and attention x V) per token."""
@@ -112,10 +129,25 @@ def _llama_inventory(cfg: Any) -> ModelInventory:
         ParamSpec("attention.wv.weight", (kv, h), 0, True),
         ParamSpec("attention.wo.weight", (h, q), 1, True),
         ParamSpec("ffn_norm.weight", (h,), None),
-        ParamSpec("feed_forward.w1.weight", (f, h), 0, True),
-        ParamSpec("feed_forward.w2.weight", (h, f), 1, True),
-        ParamSpec("feed_forward.w3.weight", (f, h), 0, True),
     )
+    n_experts, top_k = int(getattr(cfg, "n_experts", 0) or 0), int(getattr(cfg, "top_k", 1) or 1)
+    if n_experts:
+        # Mixture of Experts (trainer/models/moe.py): replicated under tensor parallelism (tp_dim None).
+        fe, shared = cfg.expert_hidden_dim, cfg.n_shared_experts * cfg.expert_hidden_dim
+        active = top_k / n_experts
+        layer += (ParamSpec("feed_forward.router.weight", (n_experts, h), None, True),
+                  ParamSpec("feed_forward.experts.w1", (n_experts, fe, h), None, True, True, active),
+                  ParamSpec("feed_forward.experts.w2", (n_experts, h, fe), None, True, True, active),
+                  ParamSpec("feed_forward.experts.w3", (n_experts, fe, h), None, True, True, active))
+        if shared:
+            layer += (ParamSpec("feed_forward.shared_experts.w1.weight", (shared, h), None, True),
+                      ParamSpec("feed_forward.shared_experts.w2.weight", (h, shared), None, True),
+                      ParamSpec("feed_forward.shared_experts.w3.weight", (shared, h), None, True))
+        f = top_k * fe + shared  # SwiGLU hidden activations a token produces (the activation model's width)
+    else:
+        layer += (ParamSpec("feed_forward.w1.weight", (f, h), 0, True),
+                  ParamSpec("feed_forward.w2.weight", (h, f), 1, True),
+                  ParamSpec("feed_forward.w3.weight", (f, h), 0, True))
     head = [ParamSpec("norm.weight", (h,), None)]
     if not cfg.tie_embeddings:
         head.append(ParamSpec("output.weight", (v, h), 0, True))
@@ -123,6 +155,7 @@ def _llama_inventory(cfg: Any) -> ModelInventory:
         family="llama", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, ffn_dim=f, vocab_size=v, tied=cfg.tie_embeddings, attn_impl="sdpa", dropout=0.0,
         embedding=(ParamSpec("tok_embeddings.weight", (v, h), 0),), layer=layer, head=tuple(head),
+        n_experts=n_experts, top_k=top_k,
     )
 
 

@@ -39,9 +39,12 @@ def format_table(result: Plan) -> str:
     """The human report."""
     lines = []
     mb = result.micro_batch_size
-    lines.append(f"plan: {result.model} ({result.num_params / 1e9:.3f} B parameters) on {result.world_size} x "
+    active = (f", {result.num_active_params / 1e9:.3f} B active per token"
+              if result.num_active_params and result.num_active_params != result.num_params else "")
+    lines.append(f"plan: {result.model} ({result.num_params / 1e9:.3f} B parameters{active}) on {result.world_size} x "
                  f"{result.hardware}; strategy {result.strategy}: dp={result.dp} ({result.dp_flavour}) x "
-                 f"tp={result.tp} x pp={result.pp}" + (f" x cp={result.cp}" if result.cp > 1 else ""))
+                 f"tp={result.tp} x pp={result.pp}" + (f" x cp={result.cp}" if result.cp > 1 else "")
+                 + (f", experts split over ep={result.ep} of the dp ranks" if result.ep > 1 else ""))
     if result.context_parallel:
         lines.append(f"      {result.context_parallel}")
     lines.append(f"      precision {result.precision}, activation checkpointing {result.checkpointing}, "

@@ -91,15 +91,24 @@ def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfi
             if offload and hardware.device_type == "cpu":
                 continue
             dp_flavour = "zero3" if offload else flavour
-            yield base.replace(
-                dp_replicate=dp if dp_flavour in ("ddp", "zero1", "zero2") else 1,
-                dp_shard=dp if dp_flavour == "zero3" else 1,
-                tp=tp, pp=pp, cp=cp, cp_method="ring", dp_flavour=dp_flavour, offload=offload,
-                reshard_after_forward=True, schedule=schedule, virtual_stages=virtual,
-                layers_per_stage=None, checkpointing=policy, checkpoint_every_n=2 if policy == "every_n" else 1,
-                micro_batch_size=micro, strategy=_strategy_name(dp_flavour, dp, tp, pp, cp),
-                comm_hook="none",
-            )
+            for ep in _ep_sizes(inv, dp * cp, tp, pp, dp_flavour, offload):
+                yield base.replace(
+                    dp_replicate=dp if dp_flavour in ("ddp", "zero1", "zero2") else 1,
+                    dp_shard=dp if dp_flavour == "zero3" else 1,
+                    tp=tp, pp=pp, cp=cp, cp_method="ring", dp_flavour=dp_flavour, offload=offload,
+                    reshard_after_forward=True, schedule=schedule, virtual_stages=virtual,
+                    layers_per_stage=None, checkpointing=policy, checkpoint_every_n=2 if policy == "every_n" else 1,
+                    micro_batch_size=micro, strategy=_strategy_name(dp_flavour, dp, tp, pp, cp),
+                    comm_hook="none", ep=ep,
+                )
+
+
+def _ep_sizes(inv: ModelInventory, ranks: int, tp: int, pp: int, flavour: str, offload: bool) -> list[int]:
+    """Expert-parallel sizes worth trying: 1, and for an MoE under a data-parallel strategy that splits
+    experts (ddp, zero1, zero2, zero3), every divisor of n_experts that divides the dp x cp ranks."""
+    if not inv.n_experts or tp > 1 or pp > 1 or offload or flavour not in ("ddp", "zero1", "zero2", "zero3"):
+        return [1]
+    return [ep for ep in _divisors(inv.n_experts) if ranks % ep == 0]
 
 
 def _strategy_name(flavour: str, dp: int, tp: int, pp: int, cp: int = 1) -> str:
@@ -116,7 +125,7 @@ def layout_overrides(layout: Layout) -> list[str]:
     Every option the search varies is set explicitly, so that values a recipe put into the strategy node
     (its sharding, offload, schedule...) cannot leak into the suggested strategy.
     """
-    out = [f"strategy={layout.strategy}", f"tp={layout.tp}", f"pp={layout.pp}", f"cp={layout.cp}"]
+    out = [f"strategy={layout.strategy}", f"tp={layout.tp}", f"pp={layout.pp}", f"cp={layout.cp}", f"ep={layout.ep}"]
     if layout.cp > 1:
         out.append(f"cp_method={layout.cp_method}")
     if layout.strategy == "zero3":
@@ -140,6 +149,8 @@ def describe(layout: Layout) -> str:
              f"pp={layout.pp}"]
     if layout.cp > 1:
         parts.append(f"cp={layout.cp} ({layout.cp_method})")
+    if layout.ep > 1:
+        parts.append(f"ep={layout.ep}")
     if layout.pp > 1:
         parts.append(f"{layout.schedule}{f' v={layout.virtual_stages}' if layout.virtual_stages > 1 else ''}")
     every = f"({layout.checkpoint_every_n})" if layout.checkpointing == "every_n" else ""

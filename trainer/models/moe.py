@@ -1,0 +1,378 @@
+"""Mixture-of-Experts feed-forward layer (Mixtral / DeepSeek-V3 style) with optional expert parallelism.
+
+One `MoE` replaces a block's SwiGLU `FeedForward` when `LlamaConfig.n_experts > 0`:
+
+- **Router** (`router`, HF `gate`): token-choice top-k over a softmax of the router logits, computed in
+  fp32. Mixtral renormalises the k chosen probabilities to sum to 1 (`router_renormalize`; never with
+  k = 1, where it would make every weight 1 and cut the router's gradient, Switch's case).
+- **Balancing**: the Switch / Mixtral auxiliary loss `E * sum_e f_e * P_e` (f_e: the fraction of the T x k
+  assignments that chose expert e, P_e: the mean router probability of e; 1.0 when perfectly balanced),
+  times `router_aux_loss_coef`; the router z-loss `mean(logsumexp(logits)^2)` (ST-MoE) times
+  `router_z_loss_coef`; and DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the
+  scores for the top-k choice only (never to the weights), moved by `router_bias_update_rate` x
+  sign(mean load - load) after every optimizer step (`update_router_biases`).
+- **Dropless** by default; `capacity_factor > 0` keeps at most ceil(cf x T x k / E) assignments per expert
+  per micro-batch (first come, first served in token order, as Switch does) and counts the rest as dropped
+  (a dropped assignment adds nothing; the token keeps its residual stream).
+- **Grouped expert compute**: the T x k assignments are sorted by expert, and `GroupedExperts` multiplies
+  every expert's rows at once with torch's grouped matmul (`torch._grouped_mm`, used where its 16-byte
+  stride rule holds), else one matmul per expert. Never a Python loop over tokens.
+- **Expert parallelism** (`expert_parallel` set by the strategy): this rank holds E / ep experts (a DTensor
+  `Shard(0)` of each expert weight over the ep mesh); the sorted rows go to the rank of their expert and come
+  back with two variable-split all-to-alls (their sizes exchanged first by a fixed-size one).
+
+The auxiliary losses reach the gradients without passing through the loss function: `_AttachAuxLoss`
+returns the layer's output unchanged and, in the backward, hands the aux loss the gradient
+`aux_loss_grad_scale()`, which the strategy sets to what the language-model loss is multiplied by before
+its backward (1 / micro-batches, times a loss scaler's scale). So every strategy, pipeline stages included,
+trains the aux losses of the layers it holds without the loss path knowing about them (Megatron-LM's
+`MoEAuxLossAutoScaler` does the same).
+
+Statistics for logging (aux loss, tokens per expert, dropped assignments) accumulate on each layer during
+training forwards (not during activation-checkpointing recomputes, a pipeline's metadata inference, or
+evaluation) until `collect_moe_stats` reads and clears them once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# The gradient the aux losses receive in the backward (see the module docstring); a strategy sets it for
+# each step's backward with `aux_loss_grad_scale_set`.
+_AUX_LOSS_GRAD_SCALE: float = 1.0
+
+
+def aux_loss_grad_scale() -> float:
+    """What the aux losses' gradient is multiplied by (the factor the LM loss is multiplied by)."""
+    return _AUX_LOSS_GRAD_SCALE
+
+
+@contextlib.contextmanager
+def aux_loss_grad_scale_set(scale: float) -> Iterator[None]:
+    """Within the block, backward passes give the MoE aux losses the gradient `scale`."""
+    global _AUX_LOSS_GRAD_SCALE
+    previous, _AUX_LOSS_GRAD_SCALE = _AUX_LOSS_GRAD_SCALE, float(scale)
+    try:
+        yield
+    finally:
+        _AUX_LOSS_GRAD_SCALE = previous
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `output`; in the backward the scalar `aux_loss` gets gradient `aux_loss_grad_scale()`."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, aux_loss_grad_scale())
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (the CPU grouped-matmul backward
+    rejects expanded gradients, e.g. that of a `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+_STATS_PAUSED = False
+
+
+@contextlib.contextmanager
+def moe_stats_paused() -> Iterator[None]:
+    """Forwards within the block are not counted in the MoE statistics (a pipeline's metadata inference
+    runs the first stage on a real micro-batch that the schedule then runs again)."""
+    global _STATS_PAUSED
+    previous, _STATS_PAUSED = _STATS_PAUSED, True
+    try:
+        yield
+    finally:
+        _STATS_PAUSED = previous
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward: an activation-checkpointing recompute, whose statistics the
+    first forward already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class ExpertParallel:
+    """This rank's expert-parallel group: `size` ranks, each holding n_experts / size experts."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped matmul needs 16-byte aligned strides (and exists on this build)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    size = x.element_size()
+    return all((n * size) % 16 == 0 for n in (x.shape[-1], weight.shape[-1], weight.shape[-2]))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """`x` [N, in] holds the rows of expert 0, then expert 1, ... (`counts` [E] rows each, on the CPU);
+    returns [N, out] with each expert's rows multiplied by its `weight[e]` ([E, out, in], nn.Linear's layout).
+
+    `grouped`: one grouped matmul (torch._grouped_mm) where it applies, else one matmul per expert.
+    """
+    if grouped and _grouped_mm_ok(x, weight) and x.dtype == weight.dtype:
+        offsets = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)
+        return torch._grouped_mm(_ContiguousGrad.apply(x), weight.transpose(-2, -1), offs=offsets)
+    pieces = torch.split(x, counts.tolist())
+    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """`n_experts` SwiGLU experts stored as stacked weights: w1, w3 [E, hidden, dim], w2 [E, dim, hidden].
+
+    Under expert parallelism each weight is a DTensor sharded on the expert dimension, and this rank
+    multiplies with its local experts.
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, grouped: bool = True) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.grouped = grouped
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` sorted by (local) expert, `counts` rows per local expert (CPU int64)."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        gate = grouped_linear(x, w1, counts, self.grouped)
+        up = grouped_linear(x, w3, counts, self.grouped)
+        return grouped_linear(F.silu(gate) * up, w2, counts, self.grouped)
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        # Expert by expert in index order, so a model's draws do not depend on how the experts are split.
+        with torch.no_grad():
+            for weight, w_std in ((self.w1, std), (self.w3, std), (self.w2, residual_std)):
+                nn.init.normal_(weight, mean=0.0, std=w_std)
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable variable-split all-to-all of the rows of `x` (the backward sends gradients back)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), recv, send, group))
+
+
+class MoE(nn.Module):
+    """Router + grouped experts (+ shared experts) replacing a block's feed-forward; see the module doc."""
+
+    # Set by the strategy under expert parallelism (None: every expert on this rank).
+    expert_parallel: Optional[ExpertParallel] = None
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, *,
+                 shared_experts: Optional[nn.Module] = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 capacity_factor: float = 0.0, renormalize: bool = True, grouped_mm: bool = True) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.bias_update_rate = bias_update_rate
+        self.capacity_factor = capacity_factor
+        self.renormalize = renormalize and top_k > 1
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, hidden_dim, grouped=grouped_mm)
+        # Shared experts (DeepSeek): a dense feed-forward every token goes through (the model family's own).
+        self.shared_experts = shared_experts
+        # DeepSeek-V3's selection bias; a buffer (no gradient), saved in checkpoints so resume is exact.
+        self.register_buffer("expert_bias", torch.zeros(n_experts), persistent=bias_update_rate > 0)
+        self.reset_stats()
+
+    # ---- statistics ----------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Clear what `collect_moe_stats` reads (plain attributes: never in state dicts or wrappers' views)."""
+        self.stat_tokens: Optional[torch.Tensor] = None  # [E] assignments per expert since the last read
+        self.stat_dropped = 0.0
+        self.stat_aux = 0.0
+        self.stat_z = 0.0
+        self.stat_calls = 0
+
+    def _record(self, counts: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
+        if not self.training or _STATS_PAUSED or _in_backward():
+            return
+        counts = counts.detach().double().cpu()
+        self.stat_tokens = counts if self.stat_tokens is None else self.stat_tokens + counts
+        self.stat_dropped += float(dropped)
+        self.stat_aux += float(aux.detach())
+        self.stat_z += float(z.detach())
+        self.stat_calls += 1
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] (fp32), probabilities [T, E], chosen experts [T, k], their weights [T, k]."""
+        logits = F.linear(flat.float(), _local(self.router.weight).float())
+        probs = logits.softmax(dim=-1)
+        scores = probs if self.bias_update_rate <= 0 else probs + self.expert_bias.float()
+        chosen = scores.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, probs, chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        tokens = flat.shape[0]
+        logits, probs, chosen, weights = self.route(flat)
+        assignments = chosen.reshape(-1)  # [T * k], token-major
+        counts = torch.bincount(assignments, minlength=self.n_experts)
+        # Stable sort: each expert's rows stay in token order (capacity keeps the first ones).
+        order = torch.argsort(assignments, stable=True)
+        kept_counts = counts
+        dropped = torch.zeros((), dtype=torch.long)
+        if self.capacity_factor > 0:
+            capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[assignments[order]]
+            keep = rank_in_expert < capacity
+            order = order[keep]
+            kept_counts = counts.clamp(max=capacity)
+            dropped = (~keep).sum()
+        token_index = order // self.top_k
+        rows = flat[token_index]
+        if self.expert_parallel is None:
+            out_rows = self.experts(rows, kept_counts.cpu())
+        else:
+            out_rows = self._expert_parallel_forward(rows, kept_counts)
+        combine = weights.reshape(-1)[order].to(out_rows.dtype)
+        out = torch.zeros_like(flat).index_add(0, token_index, out_rows * combine[:, None])
+        if self.shared_experts is not None:
+            out = out + self._shared(flat)
+
+        aux = self.n_experts * torch.sum(counts.detach().float() / (tokens * self.top_k) * probs.mean(dim=0))
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        self._record(counts, dropped, aux, z)
+        total = self.aux_loss_coef * aux + self.z_loss_coef * z
+        if self.training and torch.is_grad_enabled() and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
+            out = _AttachAuxLoss.apply(out, total)
+        return out.view(shape)
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts' SwiGLU `w2(silu(w1 x) * w3 x)` with local weights (under tensor parallelism
+        they are replicated DTensors and the layer works on plain tensors)."""
+        ffn = self.shared_experts
+        assert ffn is not None
+        w1, w2, w3 = (_local(getattr(ffn, name).weight) for name in ("w1", "w2", "w3"))
+        return F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
+
+    def _expert_parallel_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send each row to the rank holding its expert, compute there, bring the results back.
+
+        `rows` are sorted by global expert, so the rows for rank r (experts r x E/ep ...) are contiguous.
+        """
+        ep = self.expert_parallel
+        assert ep is not None
+        local_experts = self.n_experts // ep.size
+        # Fixed-size exchange of the counts: recv[r * local + j] = rows rank r sends to my local expert j.
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=ep.group)
+        send_splits = counts.view(ep.size, local_experts).sum(1).tolist()
+        recv_matrix = recv_counts.view(ep.size, local_experts).cpu()
+        recv_splits = recv_matrix.sum(1).tolist()
+        received = _all_to_all(rows, send_splits, recv_splits, ep.group)
+        # Received rows are grouped by source rank, then expert: regroup them by expert for the matmuls.
+        expert_of_row = torch.repeat_interleave(torch.arange(local_experts).repeat(ep.size), recv_matrix.reshape(-1))
+        perm = torch.argsort(expert_of_row, stable=True).to(rows.device)
+        computed = self.experts(received[perm], recv_matrix.sum(0))
+        restored = computed.index_select(0, torch.argsort(perm))
+        return _all_to_all(restored, recv_splits, send_splits, ep.group)
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.experts.init_weights(std, residual_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, residual_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+        self.reset_stats()
+
+
+def moe_layers(model_parts: Sequence[nn.Module]) -> list[tuple[str, MoE]]:
+    """(layer key, MoE) of every MoE layer these model parts hold, in layer order."""
+    found = []
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                key = next((p for p in name.split(".") if p.isdigit()), name)
+                found.append((key, module))
+    return sorted(found, key=lambda item: int(item[0]) if item[0].isdigit() else 0)
+
+
+def collect_moe_stats(model_parts: Sequence[nn.Module],
+                      reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Read (and clear) the step's statistics of the MoE layers these parts hold, averaged over the
+    data-parallel ranks with `reduce_mean` (a collective every rank of the group calls, with its layers'
+    statistics in one tensor; pipeline stages each reduce their own layers).
+
+    Returns the metrics: `moe/aux_loss`, `moe/z_loss` (means over layers and micro-batches, before their
+    coefficients), `moe/max_load` (the largest max/mean tokens-per-expert ratio over the layers; 1.0 is
+    perfect balance, n_experts / top_k the worst), `moe/dropped` (dropped assignments per data-parallel
+    rank, all layers) and per layer `moe/max_load/<layer>`; and each layer's load (mean assignments per
+    expert over the ranks), for `update_router_biases`. Empty for a dense model.
+    """
+    layers = moe_layers(model_parts)
+    if not layers:
+        return {}, []
+    rows = []
+    for _, layer in layers:
+        tokens = layer.stat_tokens if layer.stat_tokens is not None else torch.zeros(layer.n_experts, dtype=torch.float64)
+        calls = max(layer.stat_calls, 1)
+        rows.append(torch.cat([tokens, torch.tensor([layer.stat_dropped, layer.stat_aux / calls, layer.stat_z / calls],
+                                                    dtype=torch.float64)]))
+        layer.reset_stats()
+    device = layers[0][1].router.weight.device
+    reduced = reduce_mean(torch.stack(rows).to(device)).cpu()
+    metrics: dict[str, float] = {}
+    loads: list[torch.Tensor] = []
+    for (key, layer), row in zip(layers, reduced):
+        load = row[:layer.n_experts]
+        loads.append(load)
+        metrics[f"moe/max_load/{key}"] = float(load.max() / load.mean()) if float(load.sum()) > 0 else 1.0
+    metrics["moe/aux_loss"] = float(reduced[:, -2].mean())
+    metrics["moe/z_loss"] = float(reduced[:, -1].mean())
+    metrics["moe/max_load"] = max(v for k, v in metrics.items() if k.startswith("moe/max_load/"))
+    metrics["moe/dropped"] = float(reduced[:, -3].sum())
+    return metrics, loads
+
+
+def update_router_biases(model_parts: Sequence[nn.Module], loads: Sequence[torch.Tensor]) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each layer's selection bias
+    moves by `bias_update_rate` towards under-loaded experts (sign(mean load - load)). `loads` come from
+    `collect_moe_stats` (the same on every data-parallel rank, so the biases stay replicated)."""
+    for (_, layer), load in zip(moe_layers(model_parts), loads):
+        if layer.bias_update_rate > 0:
+            with torch.no_grad():
+                step = layer.bias_update_rate * torch.sign(load.mean() - load)
+                layer.expert_bias.add_(step.to(layer.expert_bias.device, layer.expert_bias.dtype))
