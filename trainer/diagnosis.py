@@ -105,9 +105,12 @@ def diagnose(reports: dict[int, dict[str, Any]], world_size: int, timeout_s: flo
         behind = [rank for rank in group_ranks if seq_of[rank] == lowest]
         for rank in behind:
             text = f"rank {rank} never entered {pending['op']} #{pending['seq']} of the {label} group"
+            notes = [f"its last in that group is #{seq_of[rank]}"] if seq_of[rank] else []
             if rank in in_p2p:
-                text += " (it is in the pipeline receive above)"
-            elif rank not in named:
+                notes.append("it is in the pipeline receive above")
+            if notes:
+                text += f" ({'; '.join(notes)})"
+            if rank not in in_p2p and rank not in named:
                 text += f": {_where(reports[rank])}"
             parts.append(text)
             named.add(rank)

@@ -21,7 +21,7 @@ with the issue times of their collectives in those steps (flight recorder, match
 sequence number). A rank's waiting time in a step is the largest gap between its arrival at one of the
 step's collectives and the last member's arrival (gaps of overlapping asynchronous collectives do not
 add up, so the largest is taken), its compute time the rest of the step. A rank whose compute time is
-above the median by more than `straggler_margin` (and 5 ms) for `straggler_steps` consecutive steps is
+above the median of the other ranks' by more than `straggler_margin` (and 5 ms) for `straggler_steps` consecutive steps is
 named in a warning line and in the metrics (`straggler_rank`, `straggler_slowdown`), with the per-rank
 `compute_s/rank_R` and `wait_s/rank_R` (world sizes up to 16) and their medians.
 """
@@ -126,9 +126,13 @@ class HangWatchdog(Callback):
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if trainer.is_global_zero and restart > 0 and hang_dir.is_dir():
                 hang_dir.rename(trainer.run_dir / f"hang.attempt{restart - 1}")  # keep the last attempt's reports
-            self._arm(f"the first step (step {trainer.step + 1})", self.first_step_factor)
-            self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
-            self._thread.start()
+            self._start(f"the first step (step {trainer.step + 1})", self.first_step_factor)
+
+    def _start(self, phase: str, factor: float) -> None:
+        self._arm(phase, factor)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        self._thread.start()
 
     def _count_microbatch(self, module: Any, args: Any) -> None:
         self.microbatch += 1
@@ -156,21 +160,32 @@ class HangWatchdog(Callback):
         self._arm(f"the checkpoint save of step {trainer.step}", self.save_factor)
 
     def on_fit_end(self, trainer: Any) -> None:
-        self._arm("the final checkpoint save", self.save_factor)
+        self.stop()  # `watch_final_save` watches what trainer.run.train does after fit
 
     def on_exception(self, trainer: Any, exception: BaseException) -> None:
         self.stop()
 
+    def watch_final_save(self, trainer: Any) -> None:
+        """Watch the final checkpoint save and summary of trainer.run.train (then `stop`)."""
+        if self.timeout_s > 0:
+            self._trainer = trainer
+            self._start("the final checkpoint save", self.save_factor)
+
     def stop(self) -> None:
+        """End the thread and drop the trainer (whose model holds the process group: see trainer.run.train)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S + 1)
+        self._thread = None
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._trainer = None
 
     # ---- the thread -------------------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > self.deadline and self._trainer is not None:
                 try:
                     self._fire()
                 finally:
@@ -294,8 +309,8 @@ def straggler_metrics(gathered: list[dict[str, Any]], margin: float, streak: dic
             compute[rank].append(step_compute[rank])
         if len(step_compute) < 2:
             continue
-        median = statistics.median(step_compute.values())
         for rank, seconds in step_compute.items():
+            median = statistics.median(v for r, v in step_compute.items() if r != rank)  # of the others
             slow = seconds > median * (1 + margin) and seconds - median > STRAGGLER_FLOOR_S
             streak[rank] = streak.get(rank, 0) + 1 if slow else 0
             if streak[rank] >= needed and (worst is None or seconds / max(median, 1e-9) > worst[2] / max(worst[3], 1e-9)):

@@ -157,10 +157,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train the configured model; write summary.json into run_dir and return the summary."""
     trainer = build_trainer(cfg, run_dir)
     summary = trainer.fit()
+    watchdogs = [callback for callback in trainer.callbacks if isinstance(callback, HangWatchdog)]
+    for dog in watchdogs:
+        dog.watch_final_save(trainer)
     final = save_final_checkpoint(trainer) if cfg.trainer.save_final else None
-    for callback in trainer.callbacks:
-        if isinstance(callback, HangWatchdog):
-            callback.stop()  # training, its final save and the summary are over
+    for dog in watchdogs:
+        dog.stop()
     if trainer.is_global_zero:
         path = trainer.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
