@@ -246,3 +246,69 @@ class KillSelf(Callback):
     def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
         if self.phase == "step" and trainer.step == self.step:
             self._kill()
+
+
+# ---- faults for the hang watchdog and the straggler report (tests/test_hang.py) ----------------------------
+def _armed(trainer: Any, rank: int, attempt: int) -> bool:
+    return (trainer.strategy.rank == rank
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == attempt)
+
+
+class StopBeforeCollective(Callback):
+    """One rank stops (blocks for an hour) at the start of a step, before that step's collectives, in one
+    elastic attempt only."""
+
+    def __init__(self, rank: int, step: int, attempt: int = 0) -> None:
+        self.rank, self.step, self.attempt = rank, step, attempt
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        import time
+
+        if _armed(trainer, self.rank, self.attempt) and trainer.step + 1 == self.step:
+            time.sleep(3600)
+
+
+class SleepInForward(Callback):
+    """One rank sleeps `seconds` inside the model's forward: in every forward from step `step` on (a
+    straggler, `until` excluded), or for an hour in step `step` (a hang), in one elastic attempt only."""
+
+    def __init__(self, rank: int, step: int, seconds: float = 3600.0, attempt: int = 0,
+                 until: int | None = None) -> None:
+        self.rank, self.step, self.seconds, self.attempt, self.until = rank, step, seconds, attempt, until
+        self.trainer: Any = None
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self.trainer = trainer
+        if _armed(trainer, self.rank, self.attempt):
+            for part in trainer.model_parts:
+                part.register_forward_pre_hook(self._sleep)
+
+    def _sleep(self, module: Any, args: Any) -> None:
+        import time
+
+        step = self.trainer.step + 1
+        if step >= self.step and (self.until is None or step < self.until) and module.training:
+            time.sleep(self.seconds)
+
+
+class SkipPipelineSend(Callback):
+    """The pipeline stage on `rank` skips its forward send of micro-batch `microbatch` in step `step`."""
+
+    def __init__(self, rank: int, step: int, microbatch: int = 1, attempt: int = 0) -> None:
+        self.rank, self.step, self.microbatch, self.attempt = rank, step, microbatch, attempt
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if not _armed(trainer, self.rank, self.attempt):
+            return
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        original = _PipelineStageBase.get_fwd_send_ops
+        hook = self
+
+        def get_fwd_send_ops(stage: Any, fwd_chunk_id: int) -> list:
+            ops = original(stage, fwd_chunk_id)
+            if trainer.step + 1 == hook.step and fwd_chunk_id == hook.microbatch:
+                return []
+            return ops
+
+        _PipelineStageBase.get_fwd_send_ops = get_fwd_send_ops  # type: ignore[method-assign]

@@ -10,7 +10,8 @@ fails `test_every_readme_command_has_a_tiny_run` until it is taught here. Where 
   process through the module's entry point as `python -m` runs it (runpy): a process start costs seconds
   on the 2-core machine, this costs only what the command itself does;
 - harness: multi-process commands, one torchrun launch of tests/distributed_harness.py per world size;
-- subprocess: the quick-start `python -m trainer`, for real (Hydra's default outputs/DATE/TIME);
+- subprocess: the quick-start `python -m trainer`, for real (Hydra's default outputs/DATE/TIME), and
+  `mode=check` (its launched workers measure their groups' bandwidth; nothing trains);
 - ELSEWHERE: commands another test already runs with tiny settings, pointed at; that test must exist and
   use the command's options;
 - NOT_RUN: commands that cannot run here, or are the suite itself, skipped with the reason.
@@ -264,6 +265,10 @@ def plan_of(command: Command, quick_start: bool = False) -> Plan:
             return Plan("in_process", ["trainer"], args, kind="cfg", notes=notes)
         if "mode=plan" in args:  # a report on the configured (big) model, nothing runs
             return Plan("in_process", ["trainer"], args, kind="plan", notes=notes)
+        if "mode=check" in args:  # the launcher's workers measure their groups, nothing trains: a real process
+            world = int(value_of(args, "trainer.devices") or 1)
+            return Plan("subprocess", [sys.executable, "-m", "trainer"], [*args, "check.size_mb=1"], kind="check",
+                        world=world, notes=notes)
         args = args + tiny(args)
         if "-m" in args:
             return Plan("in_process", ["trainer"], args, kind="sweep", notes=notes)
@@ -417,6 +422,9 @@ class Runner:
             before = set(self.cwd.rglob("*"))
             outcome.code, outcome.out = run_module(plan.program[0], args, self.cwd)
             outcome.created = set(self.cwd.rglob("*")) - before
+            return
+        if plan.kind == "check":  # its own run directory: outputs/DATE/TIME stays the quick start's
+            self.run_subprocess(plan, [*args, f"hydra.run.dir=outputs/{slug}"], outcome)
             return
         if plan.kind == "sweep":
             sweep = Path("multirun") / slug  # the default DATE/TIME has a one-second resolution
@@ -612,6 +620,12 @@ def test_readme_command_runs(outcomes: dict[str, Outcome], text: str) -> None:
             assert re.search(r"^\s+python -m trainer ", outcome.out, re.MULTILINE), detail
         return
     assert outcome.code == 0, detail
+    if plan.kind == "check":  # a row of latency and bandwidth per parallel dimension of the mesh
+        assert "GB/s (bus)" in outcome.out, detail
+        rows = re.findall(r"^(\w+) +(\d+) +([\d.]+) +([\d.]+) +([\d.]+) ", outcome.out, re.MULTILINE)
+        assert {row[0] for row in rows} == set(expected_check_groups(plan.args)), detail
+        assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows), detail
+        return
     if plan.kind == "cfg":  # the composed config, and nothing run
         config = yaml.safe_load(outcome.out)
         assert {"model", "trainer", "strategy"} <= set(config), detail
@@ -633,6 +647,14 @@ def test_readme_command_runs(outcomes: dict[str, Outcome], text: str) -> None:
         assert run["status"]["status"] == "ok", (run["status"], detail)
         printed = re.findall(r"summary: (\S+summary\.json)", outcome.out)
         assert [Path(path).resolve() for path in printed] == [(run["dir"] / "summary.json").resolve()], detail
+
+
+def expected_check_groups(args: list[str]) -> list[str]:
+    """The mesh dimensions of size > 1 a `mode=check` command measures (3d: pp, tp, the rest data parallel)."""
+    world = int(value_of(args, "trainer.devices") or 1)
+    sizes = {"pp": int(value_of(args, "pp") or 1), "tp": int(value_of(args, "tp") or 1)}
+    sizes["dp_shard"] = world // (sizes["pp"] * sizes["tp"])  # 3d's default data_parallel is FSDP-style
+    return [name for name, size in sizes.items() if size > 1]
 
 
 def check_tool(module: str, outcome: Outcome) -> None:

@@ -118,6 +118,19 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
             write_status(run_dir, "skipped_unfit", reason)
         return None
     check_memory(cfg)  # before any worker starts and any weight is materialized (sweep jobs, torchrun ranks)
+    if cfg.mode == "check":  # bandwidth and latency of the run's groups (trainer/commcheck.py), no training
+        from trainer.commcheck import check
+
+        if needs_launch(cfg):
+            launch(cfg, run_dir, check)
+        elif int(os.environ.get("RANK", "0")) != 0 or distributed_environment() == "slurm":
+            if distributed_environment() == "slurm":
+                adopt_slurm_environment()
+            configure_worker_logging(int(os.environ.get("RANK", "0")), run_dir)
+            check(cfg, run_dir)
+        else:
+            check(cfg, run_dir)
+        return None
     if needs_launch(cfg):
         launch(cfg, run_dir, train)
         return read_summary(run_dir)

@@ -128,6 +128,8 @@ def describe_failure(error: ChildFailedError) -> str:
     if isinstance(message, dict):
         message = message.get("message", str(message))
     text = str(message).strip() or f"exit code {failure.exitcode}"
+    if text.startswith("hang"):  # the hang watchdog's diagnosis names the ranks itself (trainer/hang.py)
+        return text
     if failure.exitcode < 0 or "Signals." in text:
         text = f"killed by signal {-failure.exitcode}" if failure.exitcode < 0 else text
     return f"rank {rank} failed: {text}"

@@ -19,6 +19,8 @@ from trainer.checkpoint.manifest import is_checkpoint, remove_partial_saves, ste
 from trainer.config import ConfigError, tokens_per_step, total_steps, validate
 from trainer.data import build_loaders
 from trainer.data.config import source_config
+from trainer.collectives import enable_flight_recorder
+from trainer.hang import HangWatchdog
 from trainer.hardware import peak_flops_with_note, reset_peak_memory
 from trainer.launch import agree_on_run_dir
 from trainer.interfaces.strategy import Strategy
@@ -71,6 +73,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     validate(cfg)
     t = cfg.trainer
     strategy = instantiate(cfg.strategy)
+    if t.record_collectives:
+        enable_flight_recorder()  # before the process groups are made
+    if t.hang_timeout_s > 0:  # the process group's own timeout comes after the watchdog's diagnosis
+        longest = t.hang_timeout_s * max(t.hang_first_step_factor, t.hang_save_factor)
+        strategy.collective_timeout_s = max(strategy.collective_timeout_s, longest + 120.0)
     strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.cp_method,
                                ep=cfg.ep)
     reset_peak_memory(strategy.device)  # this run's peak, also when a sweep runs jobs in one process
@@ -120,7 +127,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         num_active_params=num_active_params,
         flops_per_token=flops_per_token,
         peak_flops=peak,
-        callbacks=[instantiate(node) for node in cfg.callbacks.values()],
+        # the watchdog last: its step-end deadline starts after the other callbacks (a checkpoint save)
+        callbacks=[instantiate(node) for node in cfg.callbacks.values()] + watchdog(t, strategy),
         run_dir=run_dir,
     )
     # Continue from a checkpoint (resume=auto|PATH), or start from given weights (init_from).
@@ -133,6 +141,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
             except NotImplementedError:  # a logger without hyperparameters; the config is in config.yaml
                 pass
     return trainer
+
+
+def watchdog(t: DictConfig, strategy: Any) -> list[HangWatchdog]:
+    """The hang watchdog and straggler report (trainer/hang.py) of a multi-process run, when either is on."""
+    if strategy.world_size < 2 or (t.hang_timeout_s <= 0 and t.straggler_margin <= 0):
+        return []
+    return [HangWatchdog(timeout_s=t.hang_timeout_s, first_step_factor=t.hang_first_step_factor,
+                         save_factor=t.hang_save_factor, straggler_margin=t.straggler_margin,
+                         straggler_steps=t.straggler_steps, record_pipeline=t.record_collectives)]
 
 
 def save_final_checkpoint(trainer: Trainer) -> Path:
@@ -155,7 +172,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train the configured model; write summary.json into run_dir and return the summary."""
     trainer = build_trainer(cfg, run_dir)
     summary = trainer.fit()
+    watchdogs = [callback for callback in trainer.callbacks if isinstance(callback, HangWatchdog)]
+    for dog in watchdogs:
+        dog.watch_final_save(trainer)
     final = save_final_checkpoint(trainer) if cfg.trainer.save_final else None
+    for dog in watchdogs:
+        dog.stop()
     if trainer.is_global_zero:
         path = trainer.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")

@@ -122,7 +122,7 @@ class DistributedStrategy(Strategy):
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         super().setup_environment(accelerator, num_threads or max(1, (os.cpu_count() or 1) // local_world))
-        self._owns_process_group = init_process_group(self.device)
+        self._owns_process_group = init_process_group(self.device, self.collective_timeout_s)
         if not self.uses_dp:
             data_parallel = 1
         else:

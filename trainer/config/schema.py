@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 # Allowed values of the string options below (checked by trainer/config/validation.py).
-MODES = ("train", "plan")
+MODES = ("train", "plan", "check")
 PLAN_FORMATS = ("table", "json")
 ACCELERATORS = ("auto", "cpu", "cuda")
 
@@ -72,6 +72,21 @@ class TrainerConfig:
     # Save a checkpoint of the final state (weights and everything a resume needs) into the run's
     # checkpoint directory when training ends; periodic saves stay opt-in (callbacks=[default,checkpoint]).
     save_final: bool = True
+    # Hang watchdog (trainer/hang.py): when no training step, validation or checkpoint save completes within
+    # this many seconds, every rank writes its stacks and last collectives to <run dir>/hang/rank_R.txt and
+    # the job ends with a diagnosis and exit status 1 (max_restarts then restarts it). 0 turns it off.
+    hang_timeout_s: float = 600.0
+    # The first step of a process (start-up, compilation, a resumed load) may take this many timeouts ...
+    hang_first_step_factor: float = 5.0
+    # ... and a checkpoint save this many.
+    hang_save_factor: float = 3.0
+    # Keep torch's flight recorder on (the last collectives of each rank, for the diagnosis and the
+    # straggler report; benchmarks/hang_watchdog_overhead.py measures its cost).
+    record_collectives: bool = True
+    # A rank whose compute time per step is above the median by this fraction for straggler_steps
+    # consecutive steps is named as a straggler (a warning and the metric straggler_rank); 0 turns it off.
+    straggler_margin: float = 0.5
+    straggler_steps: int = 5
 
 
 @dataclass
@@ -113,6 +128,16 @@ class PlanConfig:
 
 
 @dataclass
+class CheckConfig:
+    """Options of `mode=check` (`check.*`): a bandwidth and latency test of each parallel dimension's
+    process group on the run's mesh (trainer/commcheck.py)."""
+
+    # Bytes of the all-reduce that measures bandwidth (MiB), and repetitions of each measurement.
+    size_mb: float = 16.0
+    iters: int = 5
+
+
+@dataclass
 class Config:
     """The whole run. Group nodes are typed by their own `<option>_schema`."""
 
@@ -130,9 +155,11 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     # The machine `mode=plan` plans for (conf/hardware/*.yaml); a run ignores it.
     hardware: Any = MISSING
-    # What to do: `train`, or `plan` (print the memory/time/fit report, exit 3 when it does not fit).
+    # What to do: `train`, `plan` (print the memory/time/fit report, exit 3 when it does not fit), or `check`
+    # (bandwidth and latency of each parallel dimension's group on the run's processes, then exit).
     mode: str = "train"
     # Parallel sizes (shortcuts): data parallel (`auto`: the world size / (tp x pp x cp)), tensor parallel,
     # pipeline parallel, context parallel. A value above 1 needs a strategy that uses it (ddp/zero*/fsdp

@@ -59,6 +59,11 @@ def _validate_trainer(t: DictConfig) -> None:
              f"must be >= 1 or null, got {t.num_threads}")
     _require(t.peak_flops is None or t.peak_flops > 0, "trainer.peak_flops", "must be positive or null")
     _require(t.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {t.max_restarts}")
+    _require(t.hang_timeout_s >= 0, "trainer.hang_timeout_s", f"must be >= 0 (0: no watchdog), got {t.hang_timeout_s}")
+    for key in ("hang_first_step_factor", "hang_save_factor"):
+        _require(t[key] >= 1, f"trainer.{key}", f"must be >= 1, got {t[key]}")
+    _require(t.straggler_margin >= 0, "trainer.straggler_margin", f"must be >= 0 (0: off), got {t.straggler_margin}")
+    _require(t.straggler_steps >= 1, "trainer.straggler_steps", f"must be >= 1, got {t.straggler_steps}")
 
 
 def _validate_parallel_shortcuts(cfg: DictConfig) -> None:

@@ -78,6 +78,8 @@ class Strategy:
         self.local_rank = 0
         # The process topology once `setup_environment` built it (None: one process, no mesh).
         self.parallel_dims: ParallelDims | None = None
+        # Timeout of the process group's collectives (gloo/NCCL); the run sets it above the hang watchdog's.
+        self.collective_timeout_s: float = 600.0
         # The number format of every step; `connect_precision` replaces the fp32 identity.
         self.precision: Precision = Precision()
         # The end-of-document id under document masking (`data.document_masking=true`), else None.

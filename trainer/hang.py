@@ -1,0 +1,367 @@
+"""The hang watchdog and the straggler report (issue 16), one callback the run adds on every rank.
+
+Watchdog. A daemon thread per rank checks a deadline that the loop pushes forward whenever a training
+step, a validation or a checkpoint save completes: `trainer.hang_timeout_s`, times
+`hang_first_step_factor` until the first step of this process completes (start-up, compilation, a
+resumed load) and times `hang_save_factor` while a checkpoint is written. When the deadline passes, each
+rank writes `<run dir>/hang/rank_R.txt` (every thread's Python stack, its last collectives: see
+trainer/collectives.py) and `rank_R.json` (the same facts for the diagnosis). Rank 0 waits for the other
+reports (at most `REPORT_GRACE_S`), writes the diagnosis paragraph (trainer/diagnosis.py) to
+`hang/diagnosis.txt`, to train.log and into the elastic error file, and the process exits with status 1:
+the agent stops the others, and `trainer.max_restarts` restarts the job from its last checkpoint. The
+other ranks exit too if rank 0 has not ended the job after a while (a rank 0 that cannot run its thread).
+The thread needs the GIL: gloo and NCCL waits, `time.sleep` and Python code release it; a rank stuck
+in C code that holds it writes nothing, and the diagnosis says that its report is missing.
+
+The process group's own timeout (gloo, NCCL) is set above the watchdog's longest deadline by the run
+(`collective_timeout_s`), so the diagnosis comes first.
+
+Stragglers. Each rank keeps the start and end of its steps; on every log step all ranks exchange them
+with the issue times of their collectives in those steps (flight recorder, matched by process group and
+sequence number). A rank's waiting time in a step is the largest gap between its arrival at one of the
+step's collectives and the last member's arrival (gaps of overlapping asynchronous collectives do not
+add up, so the largest is taken), its compute time the rest of the step. A rank whose compute time is
+above the median of the other ranks' by more than `straggler_margin` (and 5 ms) for `straggler_steps` consecutive steps is
+named in a warning line and in the metrics (`straggler_rank`, `straggler_slowdown`), with the per-rank
+`compute_s/rank_R` and `wait_s/rank_R` (world sizes up to 16) and their medians.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.callback import Callback
+from trainer.collectives import P2PRecorder, flight_recorder_entries, group_names, normalize_fr_entry
+from trainer.diagnosis import diagnose
+
+log = logging.getLogger("trainer")
+REPORT_GRACE_S = 30.0  # rank 0 waits this long for the other ranks' reports
+OTHERS_EXIT_AFTER_S = 90.0  # a rank other than 0 ends itself this long after its report
+OTHERS_EXIT_DELAY_S = 3.0  # after rank 0's diagnosis
+POLL_S = 0.5
+HANG_EXIT_CODE = 1
+PER_RANK_METRICS_MAX_WORLD = 16
+STRAGGLER_FLOOR_S = 0.005
+RECORDER_FILE = os.path.join("trainer", "collectives.py")  # its wrapper is not where the caller waits
+TORCH_DIR = str(Path(dist.__file__).resolve().parents[1])
+STDLIB_DIR = str(Path(threading.__file__).resolve().parent)
+
+
+def _frame_location(frames: list[traceback.FrameSummary]) -> str:
+    """The innermost frame outside torch and the standard library (where our code is), and the innermost
+    one when that is elsewhere (the torch call it waits in)."""
+    if not frames:
+        return "an unknown place"
+    def short(frame: traceback.FrameSummary) -> str:
+        path = frame.filename
+        for root in (os.getcwd(), TORCH_DIR, STDLIB_DIR):
+            if path.startswith(root + os.sep):
+                path = os.path.relpath(path, root)
+                break
+        return f"{path}:{frame.lineno} ({frame.name})"
+    own = [f for f in frames if not f.filename.startswith((TORCH_DIR, STDLIB_DIR)) and "<" not in f.filename[:1]
+           and not f.filename.endswith(RECORDER_FILE)]
+    inner = frames[-1]
+    if own and own[-1] is not inner:
+        return f"{short(own[-1])}, inside torch's {short(inner)}"
+    return short(inner)
+
+
+class HangWatchdog(Callback):
+    """See the module docstring. Made by trainer.run for every run with `trainer.hang_timeout_s > 0` (the
+    straggler report also runs with the watchdog off when `trainer.straggler_margin > 0`)."""
+
+    def __init__(self, *, timeout_s: float, first_step_factor: float = 5.0, save_factor: float = 3.0,
+                 straggler_margin: float = 0.5, straggler_steps: int = 5, record_pipeline: bool = True) -> None:
+        self.timeout_s = float(timeout_s)
+        self.first_step_factor = float(first_step_factor)
+        self.save_factor = float(save_factor)
+        self.straggler_margin = float(straggler_margin)
+        self.straggler_steps = int(straggler_steps)
+        self.p2p = P2PRecorder.install() if record_pipeline else None
+        self.deadline = float("inf")
+        self.phase = "start-up"
+        self.allowed_s = self.timeout_s
+        self.microbatch = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._trainer: Any = None
+        self._steps: list[tuple[int, int, int]] = []  # (step, start ns, end ns) since the last log step
+        self._slow_streak: dict[int, int] = {}
+        self._hooks: list[Any] = []
+        self.straggler_warnings: list[str] = []
+
+    # ---- deadline ---------------------------------------------------------------------------------------
+    def _arm(self, phase: str, factor: float = 1.0) -> None:
+        self.phase = phase
+        self.allowed_s = self.timeout_s * factor
+        self.deadline = time.monotonic() + self.allowed_s
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self._trainer = trainer
+        names = group_names(trainer.strategy.parallel_dims)
+        if self.p2p is not None:
+            self.p2p.names = names
+        self._names = names
+        self._groups = {}
+        if dist.is_initialized():
+            for group, pg_name in dist.distributed_c10d._world.pg_names.items():
+                if pg_name in names:
+                    self._groups[pg_name] = {"name": names[pg_name], "ranks": dist.get_process_group_ranks(group)}
+        for part in trainer.model_parts:
+            self._hooks.append(part.register_forward_pre_hook(self._count_microbatch))
+        if self.timeout_s > 0:
+            hang_dir = trainer.run_dir / "hang"
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if trainer.is_global_zero and restart > 0 and hang_dir.is_dir():
+                hang_dir.rename(trainer.run_dir / f"hang.attempt{restart - 1}")  # keep the last attempt's reports
+            self._start(f"the first step (step {trainer.step + 1})", self.first_step_factor)
+
+    def _start(self, phase: str, factor: float) -> None:
+        self._arm(phase, factor)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def _count_microbatch(self, module: Any, args: Any) -> None:
+        self.microbatch += 1
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        self.microbatch = 0
+        if self.p2p is not None:
+            self.p2p.new_step(trainer.step + 1)
+        if self.phase.startswith("step") or self.phase.startswith("validation"):
+            self.phase = f"step {trainer.step + 1}"
+        self._step_start = time.time_ns()
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        self._steps.append((trainer.step, self._step_start, time.time_ns()))
+        self.microbatch = 0
+        if self.straggler_margin > 0 and (trainer.step % trainer.config.log_every == 0
+                                          or trainer.step == trainer.total_steps):
+            self._report_stragglers(trainer)
+        self._arm(f"step {trainer.step + 1}")
+
+    def on_validation_end(self, trainer: Any) -> None:
+        self._arm(f"step {trainer.step + 1}")
+
+    def on_save_checkpoint(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
+        self._arm(f"the checkpoint save of step {trainer.step}", self.save_factor)
+
+    def on_fit_end(self, trainer: Any) -> None:
+        self.stop()  # `watch_final_save` watches what trainer.run.train does after fit
+
+    def on_exception(self, trainer: Any, exception: BaseException) -> None:
+        self.stop()
+
+    def watch_final_save(self, trainer: Any) -> None:
+        """Watch the final checkpoint save and summary of trainer.run.train (then `stop`)."""
+        if self.timeout_s > 0:
+            self._trainer = trainer
+            self._start("the final checkpoint save", self.save_factor)
+
+    def stop(self) -> None:
+        """End the thread and drop the trainer (whose model holds the process group: see trainer.run.train)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S + 1)
+        self._thread = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._trainer = None
+
+    # ---- the thread -------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if time.monotonic() > self.deadline and self._trainer is not None:
+                try:
+                    self._fire()
+                finally:
+                    os._exit(HANG_EXIT_CODE)
+
+    def report(self) -> dict[str, Any]:
+        """This rank's facts: where each thread is, its last collectives and pipeline operations."""
+        trainer = self._trainer
+        frames = sys._current_frames()
+        threads = {t.ident: t.name for t in threading.enumerate()}
+        stacks = {threads.get(ident, str(ident)): traceback.extract_stack(frame) for ident, frame in frames.items()
+                  if ident != threading.get_ident()}
+        main = stacks.get("MainThread", [])
+        dims = trainer.strategy.parallel_dims
+        pp_stage = 0
+        if dims is not None and dims.pp > 1:
+            pp_stage = dims.mesh["pp"].get_local_rank()
+        return {
+            "rank": trainer.strategy.rank,
+            "step": trainer.step + 1,
+            "phase": self.phase,
+            "allowed_s": self.allowed_s,
+            "microbatch": self.microbatch,
+            "pp_stage": pp_stage,
+            "location": _frame_location(main),
+            "stacks": {name: traceback.format_list(stack) for name, stack in stacks.items()},
+            "collectives": [normalize_fr_entry(e, self._names) for e in flight_recorder_entries()[-200:]],
+            "p2p": self.p2p.snapshot() if self.p2p is not None else [],
+            "groups": self._groups,
+            "time_ns": time.time_ns(),
+        }
+
+    def _fire(self) -> None:
+        trainer = self._trainer
+        rank, world = trainer.strategy.rank, trainer.strategy.world_size
+        hang_dir = trainer.run_dir / "hang"
+        hang_dir.mkdir(parents=True, exist_ok=True)
+        report = self.report()
+        write_report(hang_dir, report)
+        if rank != 0:
+            log.error(f"hang: rank {rank} made no progress for {self.allowed_s:g} s during {self.phase}; "
+                      f"report in {hang_dir / f'rank_{rank}.txt'}")
+            # Rank 0 writes the diagnosis and ends the job; this rank then ends too, with the same message
+            # (whichever exit the launcher sees first, it reports the diagnosis). If rank 0 cannot, this
+            # rank ends the job after a while.
+            diagnosis = hang_dir / "diagnosis.txt"
+            waited = time.monotonic() + OTHERS_EXIT_AFTER_S
+            while time.monotonic() < waited and not diagnosis.exists():
+                time.sleep(POLL_S)
+            try:
+                message = diagnosis.read_text().strip()
+            except OSError:
+                message = (f"hang on rank {rank} during {self.phase}, and rank 0 wrote no diagnosis: see the "
+                           f"reports in {hang_dir}")
+            _write_error_file(message)
+            time.sleep(OTHERS_EXIT_DELAY_S)  # rank 0's exit is the one the launcher reports
+            return
+        waited = time.monotonic() + REPORT_GRACE_S
+        while time.monotonic() < waited and len(list(hang_dir.glob("rank_*.json"))) < world:
+            time.sleep(POLL_S)
+        reports = {}
+        for path in hang_dir.glob("rank_*.json"):
+            try:
+                data = json.loads(path.read_text())
+                reports[int(data["rank"])] = data
+            except (OSError, ValueError, KeyError):
+                continue
+        paragraph = diagnose(reports, world, self.allowed_s, str(hang_dir))
+        (hang_dir / "diagnosis.tmp").write_text(paragraph + "\n")
+        (hang_dir / "diagnosis.tmp").rename(hang_dir / "diagnosis.txt")
+        log.error(paragraph)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        _write_error_file(paragraph)
+
+    # ---- stragglers ---------------------------------------------------------------------------------------
+    def _report_stragglers(self, trainer: Any) -> None:
+        steps, self._steps = self._steps, []
+        if trainer.strategy.world_size < 2 or not steps:
+            return
+        first = steps[0][1]
+        arrivals = [(e["pg"], e["seq"], e["created_ns"]) for e in map(lambda x: normalize_fr_entry(x, {}),
+                                                                       flight_recorder_entries())
+                    if e["created_ns"] is not None and e["created_ns"] >= first and not e["p2p"]]
+        gathered = trainer.strategy.all_gather_object({"steps": steps, "arrivals": arrivals})
+        metrics, warning = straggler_metrics(gathered, self.straggler_margin, self._slow_streak,
+                                             self.straggler_steps)
+        if warning is not None:
+            self.straggler_warnings.append(warning)
+            if trainer.is_global_zero:
+                log.warning(warning)
+        trainer.log(metrics)
+
+
+def straggler_metrics(gathered: list[dict[str, Any]], margin: float, streak: dict[int, int],
+                      needed: int) -> tuple[dict[str, float], str | None]:
+    """Per-rank compute and wait seconds of the steps in `gathered` (one entry per rank), the straggler
+    streaks updated in place, and the metrics and warning of this log step."""
+    world = len(gathered)
+    last_arrival: dict[tuple[str, int], int] = {}
+    for rank_data in gathered:
+        for pg, seq, created in rank_data["arrivals"]:
+            key = (pg, seq)
+            last_arrival[key] = max(last_arrival.get(key, created), created)
+    steps = sorted({s for rank_data in gathered for s, _, _ in rank_data["steps"]})
+    compute: dict[int, list[float]] = {r: [] for r in range(world)}
+    wait: dict[int, list[float]] = {r: [] for r in range(world)}
+    worst: tuple[int, int, float, float] | None = None  # rank, streak, compute, median
+    for step in steps:
+        step_compute: dict[int, float] = {}
+        for rank, rank_data in enumerate(gathered):
+            window = next(((start, end) for s, start, end in rank_data["steps"] if s == step), None)
+            if window is None:
+                continue
+            start, end = window
+            gaps = [last_arrival[(pg, seq)] - created for pg, seq, created in rank_data["arrivals"]
+                    if start <= created <= end]
+            waited = min(max(gaps, default=0), end - start) / 1e9
+            wait[rank].append(waited)
+            step_compute[rank] = (end - start) / 1e9 - waited
+            compute[rank].append(step_compute[rank])
+        if len(step_compute) < 2:
+            continue
+        for rank, seconds in step_compute.items():
+            median = statistics.median(v for r, v in step_compute.items() if r != rank)  # of the others
+            slow = seconds > median * (1 + margin) and seconds - median > STRAGGLER_FLOOR_S
+            streak[rank] = streak.get(rank, 0) + 1 if slow else 0
+            if streak[rank] >= needed and (worst is None or seconds / max(median, 1e-9) > worst[2] / max(worst[3], 1e-9)):
+                worst = (rank, streak[rank], seconds, median)
+    mean = {r: statistics.fmean(v) for r, v in compute.items() if v}
+    mean_wait = {r: statistics.fmean(v) for r, v in wait.items() if v}
+    metrics: dict[str, float] = {
+        "compute_s_median": statistics.median(mean.values()) if mean else 0.0,
+        "wait_s_median": statistics.median(mean_wait.values()) if mean_wait else 0.0,
+        "straggler_rank": float(worst[0]) if worst else -1.0,
+        "straggler_slowdown": worst[2] / max(worst[3], 1e-9) if worst else 0.0,
+    }
+    if world <= PER_RANK_METRICS_MAX_WORLD:
+        metrics.update({f"compute_s/rank_{r}": v for r, v in mean.items()})
+        metrics.update({f"wait_s/rank_{r}": v for r, v in mean_wait.items()})
+    warning = None
+    if worst is not None:
+        rank, count, seconds, median = worst
+        warning = (f"straggler: rank {rank} computed {seconds:.3f} s per step against a median of {median:.3f} s "
+                   f"(+{100 * (seconds / max(median, 1e-9) - 1):.0f}%) for {count} consecutive steps up to step "
+                   f"{steps[-1]}; the other ranks wait for it")
+    return metrics, warning
+
+
+def write_report(hang_dir: Path, report: dict[str, Any]) -> None:
+    """rank_R.json (for the diagnosis) and rank_R.txt (for a person) of one rank."""
+    rank = report["rank"]
+    (hang_dir / f"rank_{rank}.json").with_suffix(".tmp").write_text(json.dumps(report))
+    lines = [f"rank {rank}: no progress for {report['allowed_s']:g} s during {report['phase']} "
+             f"(step {report['step']}, forward {report['microbatch']} of the step)",
+             f"main thread: {report['location']}", ""]
+    for name, stack in report["stacks"].items():
+        lines += [f"--- thread {name}", *[line.rstrip() for line in stack], ""]
+    lines.append("--- last collectives (flight recorder: process group, sequence number, op, sizes, issued, state)")
+    for e in report["collectives"][-50:]:
+        lines.append(f"{e['group']} #{e['seq']} {e['op']} {e['sizes']} issued {e['created_ns']} {e['state']}")
+    lines.append("--- pipeline sends/receives (step, index towards the peer, bytes, issued, finished)")
+    for r in report["p2p"][-50:]:
+        lines.append(f"{r['op']} {'to' if r['op'] == 'send' else 'from'} rank {r['peer']} ({r['group']}) step "
+                     f"{r['step']} #{r['index']} {r['bytes']} B issued {r['created_ns']} "
+                     f"finished {r['finished_ns'] if r['finished_ns'] is not None else 'NO (pending)'}")
+    (hang_dir / f"rank_{rank}.txt").write_text("\n".join(lines) + "\n")
+    (hang_dir / f"rank_{rank}.json").with_suffix(".tmp").rename(hang_dir / f"rank_{rank}.json")
+
+
+def _write_error_file(message: str) -> None:
+    """What torch's @record writes for an exception: the launcher then reports this message."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
