@@ -27,31 +27,9 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.durable_io import write_atomically
+
 METRICS_FILE = "metrics.csv"
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` by `text` in one step: a temporary beside it, fsynced, renamed over it."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
 
 
 def read_metrics(path: Path) -> tuple[list[str], list[dict[str, str]]]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from trainer.durable_io import fsync_directory, write_atomically
+
 log = logging.getLogger("trainer")
 
 MANIFEST = "checkpoint.json"
@@ -62,26 +64,8 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# A module attribute (tests replace it to kill the process between the steps of a commit).
+_fsync_dir = fsync_directory
 
 
 def commit(partial: Path, final: Path, manifest: dict[str, Any], config_yaml: Optional[str]) -> Path:
@@ -97,7 +81,7 @@ def commit(partial: Path, final: Path, manifest: dict[str, Any], config_yaml: Op
         files[file.name] = {"bytes": file.stat().st_size, "crc32": file_crc32(file)}
     manifest = {**manifest, "format": FORMAT_VERSION, "complete": True, "files": files,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_atomically(partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     _fsync_dir(partial)
     replaced = None
     if final.exists():
@@ -129,7 +113,7 @@ def update_metrics(path: Path, metrics: dict[str, float]) -> None:
     """Add metrics measured on the checkpoint's weights after it was written (the validation loss)."""
     manifest = read_manifest(path)
     manifest["metrics"] = {**manifest.get("metrics", {}), **metrics}
-    _write_atomically(path / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_atomically(path / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def verify_files(path: Path, names: Iterable[str], manifest: dict[str, Any], checksums: bool = True) -> None:
