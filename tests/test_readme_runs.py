@@ -503,10 +503,17 @@ def text_key(args: list[str]) -> str | None:
 
 
 def write_documents(path: Path, key: str) -> None:
-    """The README's paragraphs (a few hundred documents) as a .jsonl.gz or a .parquet file."""
+    """The README's paragraphs as a .jsonl.gz or a .parquet file: a few hundred documents, each of at least
+    1,000 characters (paragraphs joined), so that whichever documents the prepare step's hash puts in the
+    validation split hold more than one window of the tiny runs (a one-line paragraph would not)."""
     import gzip
 
-    docs = [p for p in README.read_text().split("\n\n") if p.strip()] * 2
+    docs, current = [], ""
+    for paragraph in [p for p in README.read_text().split("\n\n") if p.strip()] * 4:
+        current += paragraph + "\n\n"
+        if len(current) >= 1000:
+            docs.append(current)
+            current = ""
     if path.name.endswith(".jsonl.gz"):
         path.write_bytes(gzip.compress("".join(json.dumps({key: d}) + "\n" for d in docs).encode()))
     else:
