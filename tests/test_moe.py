@@ -223,7 +223,14 @@ PARITY = {
     "ep2_zero3": (["strategy=zero3", "ep=2"], 2, 8),
     "tp2": (["strategy=tp", "tp=2"], 2, 8),
     "pp2": (["strategy=pp", "pp=2"], 2, 8),
+    # the sequences cut over 2 cp ranks, which are also the ep ranks (experts borrow dp x cp); the balancing
+    # loss spans the whole sequences, so it is the single process's
+    "cp2_x_ep2_zero3": (["strategy=zero3", "cp=2", "ep=2"], 2, 8),
     "ep4_ddp": (["strategy=ddp", "ep=4"], 4, 4),
+    # ep with tensor and pipeline parallelism (3d): experts over ep=2 of the dp=2 ranks, whole on each tp
+    # rank, in each pipeline stage
+    "tp2_x_ep2_3d_zero1": (["strategy=3d", "tp=2", "ep=2", "strategy.data_parallel=zero1"], 4, 8),
+    "pp2_x_ep2_3d_fsdp": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp"], 4, 4),
     # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
     "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
 }
@@ -275,8 +282,9 @@ def test_moe_parallelism_matches_the_single_process_run(moe_runs: Path, name: st
     for metric in ("train_loss", "grad_norm", "val_loss"):
         assert _metric(run_dir, metric) == pytest.approx(_metric(single, metric), rel=1e-4), metric
     # MoE metrics: rank 0 logs those of the layers it holds (under pp, the first stage's: layers 0 and 1)
-    layers = ("0", "1") if name.startswith("pp") else ("0", "1", "2", "3")
-    for metric in ["moe/aux_loss"] * (not name.startswith("pp")) + [f"moe/max_load/{i}" for i in layers]:
+    pipelined = name.startswith("pp")
+    layers = ("0", "1") if pipelined else ("0", "1", "2", "3")
+    for metric in ["moe/aux_loss"] * (not pipelined) + [f"moe/max_load/{i}" for i in layers]:
         assert _metric(run_dir, metric) == pytest.approx(_metric(single, metric), rel=1e-4), metric
     reference = torch.load(single / "weights.pt", weights_only=True)
     weights = torch.load(run_dir / "weights.pt", weights_only=True)
@@ -420,19 +428,23 @@ def _attempt_with_aux(trainer: Any, stab: Any, aux: float) -> bool:
     return trainer.skip_step
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
-def test_planned_expert_shards_equal_the_real_strategy_on_the_meta_device(strategy: str) -> None:
-    """4 ranks, ep=2: experts replicated (ddp) or partitioned (zero1/zero2 states, zero3 weights) over the 2
-    ranks left; the analytic bytes of every rank's states are what the strategy really holds."""
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero1"], ["strategy=zero2"], ["strategy=zero3"],
+                                      # 8 ranks: tp 2 x pp 2 x dp 2 with ep=2 (experts whole on each tp rank)
+                                      ["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1"],
+                                      ["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=fsdp"]],
+                         ids=["ddp", "zero1", "zero2", "zero3", "3d_zero1", "3d_fsdp"])
+def test_planned_expert_shards_equal_the_real_strategy_on_the_meta_device(strategy: list[str]) -> None:
+    """ep=2: experts replicated (ddp) or partitioned (zero1/zero2 states, zero3 weights) over the ranks
+    left; the analytic bytes of a rank's states are what the strategy really holds."""
     from trainer.planner import plan
 
-    for rank in (3,):  # rank 3: ep rank 1, edp rank 1
-        cfg = compose(["model=tiny_moe", f"strategy={strategy}", "ep=2", "trainer.devices=4", "hardware=cpu",
-                       "trainer.micro_batch_size=4", "mode=plan", f"plan.rank={rank}"])
-        result = plan(cfg, exact=True, search=False)
-        assert result.exact is not None, result.exact_error
-        for key in ("params", "grads", "optimizer"):
-            assert result.state_bytes[key] == result.exact[key], (strategy, rank, key)
+    devices = 8 if "strategy=3d" in strategy else 4
+    cfg = compose(["model=tiny_moe", *strategy, "ep=2", f"trainer.devices={devices}", "hardware=cpu",
+                   "trainer.micro_batch_size=4", "mode=plan", f"plan.rank={devices - 1}"])  # ep rank 1, edp rank 1
+    result = plan(cfg, exact=True, search=False)
+    assert result.exact is not None, result.exact_error
+    for key in ("params", "grads", "optimizer"):
+        assert result.state_bytes[key] == result.exact[key], (strategy, key)
 
 
 @pytest.mark.parametrize("overrides, message", [

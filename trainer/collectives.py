@@ -68,11 +68,8 @@ def group_names(dims: Any) -> dict[str, str]:
         names[dist.distributed_c10d._get_default_group().group_name] = "world"
     if dims is None or getattr(dims, "_mesh", None) is None:
         return names
-    mesh = dims.mesh
-    for name in mesh.mesh_dim_names or ():
-        names[mesh.get_group(name).group_name] = name
-    for flat, flat_mesh in dims._flattened.items():
-        names[flat_mesh.get_group().group_name] = flat
+    for name, mesh in dims.named_groups():
+        names[mesh.get_group().group_name] = name
     return names
 
 

@@ -41,9 +41,7 @@ def _time_all_reduce(tensor: torch.Tensor, group: Any, iters: int, device: torch
 
 def measure(dims: Any, device: torch.device, size_mb: float, iters: int) -> list[dict[str, Any]]:
     """This rank's row per dimension: its group's ranks, latency (us) and bandwidth (GB/s)."""
-    mesh = dims.mesh
-    groups = [(name, mesh.get_group(name)) for name in mesh.mesh_dim_names or ()]
-    groups += [(name, flat.get_group()) for name, flat in dims._flattened.items()]
+    groups = [(name, mesh.get_group()) for name, mesh in dims.named_groups()]
     rows = []
     numel = max(1, int(size_mb * 2**20) // 4)
     for name, group in groups:

@@ -131,6 +131,16 @@ class ParallelDims:
         """The ranks holding the same experts as this one (size dp x cp / ep; None with ep=1)."""
         return None if self._expert_mesh is None else self._expert_mesh["edp"]
 
+    def named_groups(self) -> list[tuple[str, DeviceMesh]]:
+        """Every 1-D mesh this rank communicates over, by the dimension it serves: the mesh dimensions, the
+        flattened ones (dp, dp_cp, dp_shard_cp) and under expert parallelism ep and edp (what the hang
+        diagnosis and `mode=check` name)."""
+        groups = [(name, self.mesh[name]) for name in self.mesh.mesh_dim_names or ()]
+        groups += list(self._flattened.items())
+        if self._expert_mesh is not None:
+            groups += [("ep", self._expert_mesh["ep"]), ("edp", self._expert_mesh["edp"])]
+        return groups
+
     @property
     def mesh(self) -> DeviceMesh:
         if self._mesh is None:

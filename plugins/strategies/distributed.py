@@ -67,31 +67,40 @@ def average_in_buckets(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
 def clip_mixed_grad_norm(model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
     """Global gradient norm (and clipping) over gradients laid out on different meshes: expert weights on
     the expert mesh, the others plain or on the world mesh. torch's own stacks the per-tensor norms, which
-    DTensors of different meshes refuse; here each layout's norm is reduced over its own mesh first."""
-    return clip_tensors_grad_norm([p for part in model_parts for p in part.parameters()], max_norm)
-
-
-def clip_tensors_grad_norm(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """`clip_mixed_grad_norm` over the gradients of `tensors` (parameters, or ZeRO's row views)."""
-    params = {id(p): p for p in tensors if p.grad is not None}
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params.values():
-        grad = p.grad
-        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else None
-        groups.setdefault(key, []).append(grad)
-    squared = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squared = squared + norm.float().cpu() ** 2
-    total = squared.sqrt()
+    DTensors of different meshes refuse; `local_grad_norm` reduces each layout's norm over its own mesh."""
+    params = {id(p): p for part in model_parts for p in part.parameters() if p.grad is not None}
+    total = local_grad_norm([p.grad for p in params.values()])  # type: ignore[misc]
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(total) + 1e-6))
         if coef < 1.0:
             with torch.no_grad():
                 for p in params.values():
-                    p.grad.mul_(coef)
+                    p.grad.mul_(coef)  # type: ignore[union-attr]
     return total
+
+
+def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of `grads` (plain tensors and DTensors, possibly on different meshes), as a plain tensor.
+
+    DTensors are grouped by mesh and placements (torch's foreach norm needs one layout per call); the
+    norm of a sharded group is a Partial DTensor whose `full_tensor()` sums over that mesh, and that of
+    a replicated one is already complete.
+    """
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("plain", grad.device)
+        groups.setdefault(key, []).append(grad)
+    squares: list[torch.Tensor] = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    if not squares:
+        device = grads[0].device if grads else torch.device("cpu")
+        return torch.zeros((), device=device)
+    device = squares[0].device
+    return torch.stack([s.to(device) for s in squares]).sum().sqrt()
 
 
 class DistributedStrategy(Strategy):
@@ -223,7 +232,9 @@ class DistributedStrategy(Strategy):
             module.expert_parallel = group
             experts = module.experts
             for name, param in list(experts.named_parameters(recurse=False)):
-                sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+                # under tp the experts are Replicate DTensors on the tp mesh by now: every tp rank computes
+                # them on the same (gathered) tokens, so they stay whole there and are cut over ep only
+                sharded = distribute_tensor(_local(param.data), mesh, [Shard(0)], src_data_rank=None)
                 experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     def expert_parameters(self, model_parts: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -250,6 +261,18 @@ class DistributedStrategy(Strategy):
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
+    def scale_expert_gradients(self, model_parts: Sequence[nn.Module]) -> None:
+        """Expert gradients a data-parallel wrapper averaged over the edp ranks holding the same experts
+        (their own FSDP or replicate units): each already sums its ep group's tokens, so 1/ep more makes it
+        the mean over all dp x cp ranks. (FSDP's `set_gradient_divide_factor` would do it inside the
+        reduce-scatter, but its PREMUL_SUM is not in gloo.)"""
+        if not self.dims.ep_enabled:
+            return
+        with torch.no_grad():
+            for param in self.expert_parameters(model_parts):
+                if param.grad is not None:
+                    param.grad.mul_(1.0 / self.dims.ep)
+
     def apply_context_parallel(self, model: nn.Module) -> None:
         """Context parallelism: the model's attention works across the cp ring and its positions are
         this rank's global ones. Every dropout then sees only this rank's tokens, so each cp rank draws
@@ -262,6 +285,8 @@ class DistributedStrategy(Strategy):
         for module in model.modules():
             if hasattr(module, "rng_stream"):
                 module.rng_stream += offset
+            if isinstance(module, MoE):  # its balancing statistics span the whole sequences
+                module.sequence_group = self.context_parallel.group
 
     def local_batches(self, microbatches: Sequence[MicroBatch]) -> Sequence[MicroBatch]:
         # document ids from the whole sequence, before context parallelism keeps this rank's tokens

@@ -137,16 +137,9 @@ class FSDP(DistributedStrategy):
         return {**super().planner_layout(dp, tp, pp, cp), **self.options.planner_fields()}
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        if self.dims.ep_enabled:
-            # Experts first, over the ranks left (edp): their own units, so the blocks' units skip them (their
-            # gradients' scale is fixed in `reduce_gradients`). Sharded on dim 1 (the SwiGLU width or the model
-            # width), not on the experts: a rank often holds fewer experts than there are edp ranks (Mixtral:
-            # 8 / ep 8 = 1 over edp 8), and Shard(0) would leave all of them on one rank (torchtitan does the same).
-            for _, layer in moe_layers([model]):
-                fully_shard(layer.experts, mesh=self.dims.edp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
-                            offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
-                            reshard_after_forward=bool(self.options.reshard_after_forward),
-                            shard_placement_fn=lambda param: Shard(1))
+        shard_experts(model, self.dims.edp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
+                      offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
+                      reshard_after_forward=bool(self.options.reshard_after_forward))
         return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
                          offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
                          reshard_after_forward=self.options.reshard_after_forward,  # type: ignore[arg-type]
@@ -156,15 +149,22 @@ class FSDP(DistributedStrategy):
         return module  # fully_shard changes the class in place, not the module tree
 
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
-        """Under expert parallelism, an expert gradient holds the sum over its ep group's tokens and FSDP
-        averaged it over the edp ranks: 1/ep more makes it the mean over all dp x cp ranks. (FSDP's own
-        `set_gradient_divide_factor` would do it in the reduce-scatter, but its PREMUL_SUM is not in gloo.)"""
         super().reduce_gradients(model_parts)
-        if self.dims.ep_enabled:
-            with torch.no_grad():
-                for param in self.expert_parameters(model_parts):
-                    if param.grad is not None:
-                        param.grad.mul_(1.0 / self.dims.ep)
+        self.scale_expert_gradients(model_parts)
+
+
+def shard_experts(model: nn.Module, edp_mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy,
+                  offload_policy: OffloadPolicy, reshard_after_forward: bool) -> None:
+    """Under expert parallelism (an edp mesh), every MoE layer's experts become their own FSDP unit over
+    the ranks left (edp), before the blocks are wrapped, so the blocks' units skip them (their gradients'
+    scale is fixed by `scale_expert_gradients`). Sharded on dim 1 (the SwiGLU width or the model width),
+    not on the experts: a rank often holds fewer experts than there are edp ranks (Mixtral: 8 / ep 8 = 1
+    over edp 8), and Shard(0) would leave all of them on one rank (torchtitan does the same)."""
+    if edp_mesh is None:
+        return
+    for _, layer in moe_layers([model]):
+        fully_shard(layer.experts, mesh=edp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                    reshard_after_forward=reshard_after_forward, shard_placement_fn=lambda param: Shard(1))
 
 
 def wrap_fsdp(model: nn.Module, mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy,

@@ -36,6 +36,7 @@ from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.parallel_dims import ParallelDims
 from trainer.plugins.strategies.pipeline_schedule import SCHEDULES, PipelineOptions, PrecisionStage
 from trainer.plugins.strategies.pipeline_split import split_model, stage_indices_of_rank
+from trainer.plugins.strategies.distributed import local_grad_norm
 from trainer.plugins.strategies.pipeline_tied import TiedWeights, local_tensor
 
 log = logging.getLogger("trainer")
@@ -300,27 +301,3 @@ class Pipeline:
         they must be released before the process group is destroyed."""
         self.stages, self._schedule = [], None
         self.tied.release()
-
-
-def local_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of `grads` (plain tensors and DTensors, possibly on different meshes), as a plain tensor.
-
-    DTensors are grouped by mesh and placements (torch's foreach norm needs one layout per call); the
-    norm of a sharded group is a Partial DTensor whose `full_tensor()` sums over that mesh, and that of
-    a replicated one is already complete.
-    """
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ("plain", grad.device)
-        groups.setdefault(key, []).append(grad)
-    squares: list[torch.Tensor] = []
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    if not squares:
-        device = grads[0].device if grads else torch.device("cpu")
-        return torch.zeros((), device=device)
-    device = squares[0].device
-    return torch.stack([s.to(device) for s in squares]).sum().sqrt()

@@ -32,9 +32,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import MicroBatch
+from trainer.models.moe import moe_layers
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
 from trainer.plugins.strategies.distributed import DistributedStrategy
-from trainer.plugins.strategies.fsdp import FSDPOptions, wrap_fsdp
+from trainer.plugins.strategies.fsdp import FSDPOptions, shard_experts, wrap_fsdp
 from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
 from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
 from trainer.plugins.strategies.tensor_parallel import (
@@ -51,10 +52,16 @@ REPLICATING = ("ddp", "zero1")
 SHARDING = {"shard_grad_op": "shard_grad_op", "hybrid_shard": "hybrid_shard"}
 
 
-def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy) -> nn.Module:
-    """Replicated data parallelism per transformer block and the root, gradients all-reduced."""
+def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,
+                   edp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Replicated data parallelism per transformer block and the root, gradients all-reduced. Under
+    expert parallelism each MoE layer's experts are replicated over their own ranks (edp) first, so the
+    blocks' units skip them."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    if edp_mesh is not None:
+        for _, layer in moe_layers([model]):
+            replicate(layer.experts, mesh=edp_mesh, mp_policy=mp_policy)
     for block in model.layers.values():  # type: ignore[union-attr]
         replicate(block, mesh=mesh, mp_policy=mp_policy)
     replicate(model, mesh=mesh, mp_policy=mp_policy)
@@ -75,6 +82,7 @@ class ThreeD(DistributedStrategy):
     uses_dp = True
     uses_tp = True
     uses_pp = True
+    supports_ep = True
 
     def __init__(self, data_parallel: str = "fsdp", *, dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
                  offload_params: bool = False, offload_optimizer: bool = False, schedule: str = "1f1b",
@@ -182,7 +190,11 @@ class ThreeD(DistributedStrategy):
         if self.replicating:
             # DDP semantics on FSDP2's machinery (`replicate`): unlike DistributedDataParallel it works
             # inside pipeline schedules and with tensor-parallel DTensor parameters.
-            return wrap_replicate(model, self.dims.dp_cp_mesh(), self.precision.fsdp_mixed_precision())
+            return wrap_replicate(model, self.dims.dp_cp_mesh(), self.precision.fsdp_mixed_precision(),
+                                  self.dims.edp_mesh())
+        shard_experts(model, self.dims.edp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
+                      offload_policy=self.fsdp_options.offload_policy(self.device, self.is_global_zero),
+                      reshard_after_forward=bool(self.fsdp_options.reshard_after_forward))
         return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
                          offload_policy=self.fsdp_options.offload_policy(self.device, self.is_global_zero),
                          reshard_after_forward=self.fsdp_options.reshard_after_forward,  # type: ignore[arg-type]
@@ -207,7 +219,8 @@ class ThreeD(DistributedStrategy):
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         modules = self.pipeline.optimizer_modules(model_parts) if self.pipeline is not None else list(model_parts)
         if self.data_parallel == "zero1" and self.dims.dp_cp_enabled:
-            self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device)  # type: ignore[arg-type]
+            self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device,  # type: ignore[arg-type]
+                                                         self.dims.edp_mesh(), self.expert_parameters(model_parts))
             return self.sharded_states.build_optimizer(optimizer_cfg, modules)
         return super().make_optimizer(optimizer_cfg, modules)
 
@@ -219,7 +232,13 @@ class ThreeD(DistributedStrategy):
                          on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         if self.pipeline is None:
             return super().forward_backward(model_parts, microbatches, on_before_backward)
-        return self.pipeline.forward_backward(model_parts, microbatches)
+        loss = self.pipeline.forward_backward(model_parts, microbatches)
+        self.reduce_gradients(model_parts)
+        return loss
+
+    def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
+        super().reduce_gradients(model_parts)
+        self.scale_expert_gradients(model_parts)  # their units averaged over edp only
 
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:

@@ -231,8 +231,8 @@ def _validate_expert_parallel(cfg: DictConfig, model_cfg: Any, strategy: "Strate
     _require(n_experts > 0, "ep", f"ep={ep} splits Mixture-of-Experts layers, but model {cfg.model.name} has none "
                                   "(set model.n_experts, e.g. model=tiny_moe)")
     name = cfg.strategy.get("name", None) or strategy.name
-    _require(strategy.supports_ep, "ep", f"ep={ep} needs strategy=ddp, zero1, zero2, zero3 or fsdp (strategy={name} does not "
-                                         "split experts)")
+    _require(strategy.supports_ep, "ep", f"ep={ep} needs strategy=ddp, zero1, zero2, zero3, fsdp or 3d (strategy={name} "
+                                         "has no data-parallel ranks to split experts over; with tp or pp use 3d)")
     _require(n_experts % ep == 0, "ep", f"ep={ep} does not divide model.n_experts={n_experts}")
     ranks = data_parallel_size(cfg) * int(cfg.cp)
     _require(ranks % ep == 0, "ep", f"ep={ep} does not divide the data-parallel x context-parallel size "

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -92,6 +93,25 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient too: every rank of the group uses the
+    summed value, so each one's input gets the sum of their gradients. The group is held weakly (a graph
+    kept past the group's destruction must not keep a gloo group alive; see context_parallel.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = weakref.ref(group)
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group())
+        return grad, None
 
 
 _STATS_PAUSED = False
@@ -190,6 +210,10 @@ class MoE(nn.Module):
 
     # Set by the strategy under expert parallelism (None: every expert on this rank).
     expert_parallel: Optional[ExpertParallel] = None
+    # Set by the strategy under context parallelism: the ranks holding the other parts of the same
+    # sequences. The load-balancing loss then uses the whole sequences' statistics (Megatron-LM reduces
+    # them over its tp x cp group too), so it is the single process's, not a mean of per-part losses.
+    sequence_group: Optional[dist.ProcessGroup] = None
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, *,
                  shared_experts: Optional[nn.Module] = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
@@ -271,13 +295,25 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self._shared(flat)
 
-        aux = self.n_experts * torch.sum(counts.detach().float() / (tokens * self.top_k) * probs.mean(dim=0))
+        aux = self.balance_loss(counts, probs, tokens)
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         self._record(counts, dropped, aux, z)
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
             out = _AttachAuxLoss.apply(out, total)
         return out.view(shape)
+
+    def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Switch / Mixtral `E * sum_e f_e P_e` over this micro-batch's tokens: with a sequence group, the
+        assignment counts and router probabilities of all its ranks (training forwards only; the value is
+        the same on every rank, and `_SumOverGroup` gives each rank's probabilities their share of the
+        gradient, which the cp gradient averaging then turns into the single process's)."""
+        assigned, prob_sum = counts.detach().float(), probs.sum(dim=0)
+        if self.sequence_group is not None and self.training:
+            size = dist.get_world_size(self.sequence_group)
+            summed = _SumOverGroup.apply(torch.cat([assigned, prob_sum]), self.sequence_group)
+            assigned, prob_sum, tokens = summed[:self.n_experts].detach(), summed[self.n_experts:], tokens * size
+        return self.n_experts * torch.sum(assigned / (tokens * self.top_k) * prob_sum / tokens)
 
     def _shared(self, flat: torch.Tensor) -> torch.Tensor:
         """The shared experts' SwiGLU `w2(silu(w1 x) * w3 x)` with local weights (under tensor parallelism

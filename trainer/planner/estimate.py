@@ -3,6 +3,8 @@ hardware. Shared by `plan` (trainer/planner/core.py) and the search (trainer/pla
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -65,8 +67,8 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
     if acts.logits_transient:
         fb["logits and their gradient"] = acts.logits_transient
     if layout.fsdp:
-        # (a rank holds 1/ep of each MoE layer's experts)
-        layer_numel = sum(p.numel / (layout.ep if p.expert else 1) for p in inv.layer) / layout.tp
+        # (a rank holds 1/ep of each MoE layer's experts, whole under tp: tp splits only weights with a tp_dim)
+        layer_numel = sum(math.prod(p.local_shape(layout.tp)) / (layout.ep if p.expert else 1) for p in inv.layer)
         root = full - part.layers * layer_numel
         if layout.reshard_after_forward:
             gathered = (1 + layout.prefetch_blocks) * layer_numel + root

@@ -104,9 +104,11 @@ def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfi
 
 
 def _ep_sizes(inv: ModelInventory, ranks: int, tp: int, pp: int, flavour: str, offload: bool) -> list[int]:
-    """Expert-parallel sizes worth trying: 1, and for an MoE under a data-parallel strategy that splits
-    experts (ddp, zero1, zero2, zero3), every divisor of n_experts that divides the dp x cp ranks."""
-    if not inv.n_experts or tp > 1 or pp > 1 or offload or flavour not in ("ddp", "zero1", "zero2", "zero3"):
+    """Expert-parallel sizes worth trying: 1, and for an MoE under a data-parallel flavour that splits
+    experts (ddp, zero1, zero2, zero3; with tp or pp through 3d), every divisor of n_experts that divides
+    the dp x cp ranks."""
+    del tp, pp  # 3d splits experts under tensor and pipeline parallelism too
+    if not inv.n_experts or offload or flavour not in ("ddp", "zero1", "zero2", "zero3"):
         return [1]
     return [ep for ep in _divisors(inv.n_experts) if ranks % ep == 0]
 
