@@ -38,8 +38,12 @@ P2P_ENTRIES = 512
 
 def enable_flight_recorder(entries: int = DEFAULT_FR_ENTRIES) -> None:
     """Turn torch's flight recorder on for the process groups made after this call (an explicit
-    TORCH_FR_BUFFER_SIZE, 0 included, is kept)."""
+    TORCH_FR_BUFFER_SIZE, 0 included, is kept). Without the stack of every call
+    (TORCH_INCLUDE_STACK_TRACE=0 unless set): nothing here reads them (a hung rank's stack comes from
+    the watchdog's own dump of every thread). Measured on gloo (1 process, 4 KB all-reduces, 2 x 20,000
+    calls): about 3-6 us per collective with the recorder on, with or without those stacks."""
     os.environ.setdefault(FR_ENV, str(entries))
+    os.environ.setdefault("TORCH_INCLUDE_STACK_TRACE", "0")
 
 
 def flight_recorder_enabled() -> bool:

@@ -267,9 +267,9 @@ class HangWatchdog(Callback):
         if trainer.strategy.world_size < 2 or not steps:
             return
         first = steps[0][1]
-        arrivals = [(e["pg"], e["seq"], e["created_ns"]) for e in map(lambda x: normalize_fr_entry(x, {}),
-                                                                       flight_recorder_entries())
-                    if e["created_ns"] is not None and e["created_ns"] >= first and not e["p2p"]]
+        recent = [entry for entry in flight_recorder_entries() if (entry.get("time_created_ns") or 0) >= first]
+        arrivals = [(e["pg"], e["seq"], e["created_ns"]) for e in (normalize_fr_entry(x, {}) for x in recent)
+                    if not e["p2p"]]
         gathered = trainer.strategy.all_gather_object({"steps": steps, "arrivals": arrivals})
         metrics, warning = straggler_metrics(gathered, self.straggler_margin, self._slow_streak,
                                              self.straggler_steps)
