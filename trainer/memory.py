@@ -7,10 +7,17 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """The plain tensor holding this rank's bytes: a DTensor's local shard, and inside wrapper subclasses
+    (torchao's float8 weight wrapper under FSDP2) the tensor they wrap."""
+    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        tensor = getattr(tensor, inner[0])
+    return tensor
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -25,7 +32,9 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _storage(tensor: torch.Tensor) -> int:
+def storage_address(tensor: torch.Tensor) -> int:
+    """Address of the storage holding this rank's bytes of `tensor` (0 on the meta device): two tensors
+    with the same address share memory (a view, not a copy)."""
     local = _local(tensor)
     return 0 if local.device.type == "meta" else local.untyped_storage().data_ptr()
 
@@ -41,13 +50,13 @@ def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimiz
     GPU, `host` is the part of those bytes in host memory (offloaded)."""
     params = [p for part in model_parts for p in part.parameters()]
     states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    param_storages = {_storage(p) for p in params}
+    param_storages = {storage_address(p) for p in params}
     stepped = [t for group in optimizer.param_groups for t in group["params"]]
-    copies = [t for t in stepped if _storage(t) not in param_storages]
+    copies = [t for t in stepped if storage_address(t) not in param_storages]
     grads = [p.grad for p in params if p.grad is not None]
     # gradients the optimizer's tensors hold in storage of their own (ZeRO-2's reduce-scattered rows)
-    grad_storages = {_storage(g) for g in grads}
-    grads += [t.grad for t in [*stepped, *stand_ins] if t.grad is not None and _storage(t.grad) not in grad_storages]
+    grad_storages = {storage_address(g) for g in grads}
+    grads += [t.grad for t in [*stepped, *stand_ins] if t.grad is not None and storage_address(t.grad) not in grad_storages]
     kinds = {"params": params, "grads": grads,
              # scalar step counters are bookkeeping, not the states the ZeRO formulas count
              "optimizer": [v for v in states if v.dim() > 0] + copies}

@@ -1,7 +1,8 @@
 """Precision plugins: how the forward runs (autocast), how the loss is scaled and how the step is taken.
 
 `fp32` (the reference), `bf16` (bf16 autocast, fp32 master weights), `bf16_true` (bf16 weights,
-optional fp32 master copy in the optimizer), `fp16` (fp16 autocast with dynamic loss scaling).
+optional fp32 master copy in the optimizer), `fp16` (fp16 autocast with dynamic loss scaling), `fp8` (bf16
+mixed precision with float8 linear layers through torchao).
 """
 
 from trainer.interfaces.precision import DTYPES, Precision
@@ -11,9 +12,11 @@ from trainer.plugins.precision.configs import (
     PRECISION_SCHEMAS,
     BF16MixedConfig,
     BF16TrueConfig,
+    Float8Config,
     FP16MixedConfig,
     FP32PrecisionConfig,
 )
+from trainer.plugins.precision.float8 import Float8
 from trainer.plugins.precision.mixed import BF16Mixed, FP16Mixed, MixedPrecision
 from trainer.plugins.precision.scaler import DynamicLossScaler
 
@@ -22,5 +25,5 @@ SCHEMAS = PRECISION_SCHEMAS  # the name every config family exports (trainer.con
 __all__ = [
     "Precision", "FP32Precision", "MixedPrecision", "BF16Mixed", "FP16Mixed", "BF16True", "FP32MasterWeights",
     "DynamicLossScaler", "DTYPES", "PRECISION_SCHEMAS", "SCHEMAS",
-    "FP32PrecisionConfig", "BF16MixedConfig", "BF16TrueConfig", "FP16MixedConfig",
+    "FP32PrecisionConfig", "BF16MixedConfig", "BF16TrueConfig", "FP16MixedConfig", "Float8", "Float8Config",
 ]

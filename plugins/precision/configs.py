@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -56,10 +56,30 @@ class FP16MixedConfig:
     min_scale: float = 1.0
 
 
+@dataclass
+class Float8Config:
+    """Schema of `precision=fp8`: bf16 mixed precision whose linear layers multiply in float8 (torchao)."""
+
+    _target_: str = "trainer.plugins.precision.Float8"
+    # Scaling: tensorwise (one scale per tensor, fastest), rowwise, or rowwise_with_gw_hp (the weight
+    # gradient's matmul in high precision).
+    recipe: str = "tensorwise"
+    # Run float8 numerics without float8 hardware (torchao casts and scales, multiplies in high precision):
+    # for CPUs and GPUs older than compute capability 8.9, where fp8 is refused otherwise. No speed-up.
+    emulate: bool = False
+    # FSDP2 strategies with the tensorwise recipe: all-gather the weights in float8 (half of bf16's bytes).
+    fsdp_float8_all_gather: bool = True
+    # Linear layers kept in high precision, by name (the output layer, as torchtitan does).
+    skip: list[str] = field(default_factory=lambda: ["output"])
+    # dtype of data-parallel gradient reduction (as for precision=bf16).
+    reduce_dtype: str = "fp32"
+
+
 # name -> schema, registered in Hydra's ConfigStore by trainer.config.register_configs.
 PRECISION_SCHEMAS: dict[str, type] = {
     "fp32": FP32PrecisionConfig,
     "bf16": BF16MixedConfig,
     "bf16_true": BF16TrueConfig,
     "fp16": FP16MixedConfig,
+    "fp8": Float8Config,
 }

@@ -176,8 +176,9 @@ class DistributedStrategy(Strategy):
 
     def setup_model(self, model: nn.Module, activation_checkpointing: ActivationCheckpointing,
                     compile: bool) -> list[nn.Module]:
-        # Pipeline parallelism first cuts the (meta) model into this rank's stages; every part then goes
-        # through the same fixed order:
+        # The precision plugin first swaps modules for its number format's (fp8: float8 linear layers, on
+        # the meta device, so every later step sees the final module types). Pipeline parallelism then
+        # cuts the model into this rank's stages; every part goes through the same fixed order:
         # 1. tensor parallel (the model-parallel strategies shard Linear weights here),
         # 1b. expert parallel (each MoE layer keeps its ep rank's experts, as DTensor shards; no other weight
         #    changes),
@@ -190,6 +191,7 @@ class DistributedStrategy(Strategy):
         # bitwise the same initial weights as a single-process run; big models are initialized shard by
         # shard after wrapping (`init=sharded`).
         self.precision.setup(self.device)
+        self.precision.convert_model(model, self.gathers_parameters)
         full = self.full_init(model)
         if full:  # before the split and TP, so every shard and stage holds the single-process weights
             self.materialize(model)

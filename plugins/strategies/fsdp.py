@@ -117,6 +117,7 @@ class FSDP(DistributedStrategy):
 
     name = "fsdp"
     supports_ep = True
+    gathers_parameters = True  # type: ignore[assignment]
 
     def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
                  reshard_after_forward: Optional[bool] = None, offload_params: bool = False,

@@ -121,6 +121,10 @@ class ThreeD(DistributedStrategy):
     def replicating(self) -> bool:
         return self.data_parallel in REPLICATING
 
+    @property
+    def gathers_parameters(self) -> bool:
+        return not self.replicating
+
     # ---- checks and layout (config validation and the planner call these before launch) ------------
     @property
     def label(self) -> str:

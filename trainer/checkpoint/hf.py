@@ -122,38 +122,9 @@ def check_mixtral(config: LlamaConfig) -> None:
 
 def hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """`config.json` of LlamaForCausalLM (MixtralForCausalLM for an MoE) for our Llama config."""
-    if config.is_moe:
-        check_mixtral(config)
-        return {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.dim,
-            "intermediate_size": config.expert_hidden_dim,
-            "num_hidden_layers": config.n_layers,
-            "num_attention_heads": config.n_heads,
-            "num_key_value_heads": config.num_kv_heads,
-            "head_dim": config.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": config.max_seq_len,
-            "rms_norm_eps": config.norm_eps,
-            "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-            "sliding_window": None,
-            "num_local_experts": config.n_experts,
-            "num_experts_per_tok": config.top_k,
-            "router_aux_loss_coef": config.router_aux_loss_coef,
-            "output_router_logits": False,
-            "tie_word_embeddings": config.tie_embeddings,
-            "initializer_range": config.init_std,
-            "torch_dtype": str(dtype).removeprefix("torch."),
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    common = {
         "vocab_size": config.vocab_size,
         "hidden_size": config.dim,
-        "intermediate_size": config.hidden_dim,
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.num_kv_heads,
@@ -165,11 +136,17 @@ def hf_config(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "initializer_range": config.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if config.is_moe:
+        check_mixtral(config)
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
+                "intermediate_size": config.expert_hidden_dim, "sliding_window": None,
+                "num_local_experts": config.n_experts, "num_experts_per_tok": config.top_k,
+                "router_aux_loss_coef": config.router_aux_loss_coef, "output_router_logits": False}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+            "intermediate_size": config.hidden_dim, "attention_bias": False, "mlp_bias": False}
 
 
 def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.checkpoint.storage import pack, unpack
+from trainer.memory import storage_address
 
 if TYPE_CHECKING:
     from trainer.callback import Callback
@@ -134,7 +135,7 @@ class OptimizerEntry:
     def master_copy(self) -> bool:
         """Whether the optimizer steps a copy with storage of its own (an fp32 master weight) rather than
         the parameter or a view of its rows."""
-        return _storage(self.stepped) != _storage(self.param)
+        return storage_address(self.stepped) != storage_address(self.param)
 
     @property
     def reshaped(self) -> bool:
@@ -200,11 +201,6 @@ def _param_layout(state: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     assert isinstance(param, DTensor)
     return DTensor.from_local(full_local, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return 0 if local.device.type == "meta" else local.untyped_storage().data_ptr()
 
 
 def optimizer_state(entries: Iterable[OptimizerEntry], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

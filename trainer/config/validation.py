@@ -461,6 +461,8 @@ def validate(cfg: DictConfig) -> None:
     _validate_strategy(cfg, strategy, device_type)
     precision = _instantiate_plugin(cfg, "precision")
     _validate_precision(precision, strategy, device_type)
+    problem = precision.tensor_parallel_problem() if int(cfg.tp) > 1 else None
+    _require(problem is None, "precision", f"{problem} (tp={cfg.tp})")
     _validate_batch(cfg)
     _validate_model(cfg, strategy)
     policy = _instantiate_plugin(cfg, "activation_checkpointing")

@@ -59,6 +59,16 @@ class Precision:
         """Called by the strategy before the model is built on `device`."""
         self.device_type = device.type
 
+    def convert_model(self, model: nn.Module, gathered_parameters: bool = False) -> None:
+        """Called by the strategy on the whole meta-device model before anything parallelizes it: swap
+        modules for the number format's own (fp8: float8 linear layers). `gathered_parameters`: FSDP2
+        will shard the parameters and all-gather them per block (`Strategy.gathers_parameters`)."""
+
+    def tensor_parallel_problem(self) -> str | None:
+        """Why the model this precision converts cannot be split by tensor parallelism (None: it can);
+        validation refuses tp > 1 with this reason."""
+        return None
+
     def check_strategy(self, strategy: "Strategy", device_type: str) -> None:
         """Raise ValueError (one line naming both) when `strategy` on `device_type` cannot honour this
         precision. Called by config validation before any process starts; the rules ask the strategy

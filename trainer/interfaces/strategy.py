@@ -71,6 +71,12 @@ class Strategy:
     # Whether the strategy can split MoE experts over data-parallel ranks (`ep` > 1).
     supports_ep: bool = False
 
+    @property
+    def gathers_parameters(self) -> bool:
+        """Whether FSDP2 shards the parameters and all-gathers them for each block (zero3, fsdp, the
+        sharded 3d flavours): what a precision's parameter all-gather format applies to (fp8)."""
+        return False
+
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.rank = 0
@@ -161,6 +167,7 @@ class Strategy:
         sharding, materializing first is equivalent and simpler).
         """
         self.precision.setup(self.device)
+        self.precision.convert_model(model, self.gathers_parameters)
         activation_checkpointing.apply(model)
         if compile:
             compile_blocks(model)
