@@ -97,7 +97,6 @@ from trainer.models import build_meta_model, build_model  # noqa: E402
 from trainer.models.common import CausalLM  # noqa: E402
 from trainer.run import build_data, build_trainer  # noqa: E402
 
-SIDES = ("ours", "deepspeed")
 STATE_KINDS = ("params", "grads", "optimizer", "master_params", "buckets", "other")
 
 
@@ -262,7 +261,7 @@ def common_overrides(args: argparse.Namespace, threads: int) -> list[str]:
 def run_ours(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     world = dist.get_world_size()
     overrides = common_overrides(args, threads) + [
-        f"strategy=zero{args.stage}", f"trainer.devices={world}",
+        f"strategy=zero{args.stage}", f"trainer.devices={world}", *json.loads(args.ours_overrides or "[]"),
         # given, so the trainer does not run its matmul measurement inside the memory window
         f"trainer.peak_flops={args.peak_flops}",
     ]
@@ -366,7 +365,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.side == "peak":
         # every rank at once, so that each sees the cores shared as they are in training
         result: dict[str, Any] = {"peak_matmul_flops": measure_matmul_flops("cpu", torch.float32)}
-    elif args.side == "ours":
+    elif args.side.startswith("ours"):
         result = run_ours(args, threads)
     else:
         result = run_deepspeed(args, threads)
@@ -393,9 +392,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ds-persistence-threshold", type=int, default=0,
                         help="DeepSpeed stage3_param_persistence_threshold (elements)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed to one launch")
+    parser.add_argument("--ours-variant", action="append", default=[], metavar="LABEL:OVERRIDE[,OVERRIDE...]",
+                        help="also run ours with these strategy overrides, alternating with the other sides "
+                             "(e.g. 'prefetch2:strategy.prefetch_blocks=2'); repeatable")
     # worker-only arguments
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--side", choices=("peak",) + SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--ours-overrides", help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--peak-flops", type=float, help=argparse.SUPPRESS)
@@ -468,6 +471,17 @@ def summarize(runs: list[list[dict[str, Any]]], warmup: int, tokens_per_step: in
     }
 
 
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`LABEL:OVERRIDE[,OVERRIDE...]` -> {"ours:LABEL": [OVERRIDE, ...]}."""
+    variants: dict[str, list[str]] = {}
+    for spec in specs:
+        label, sep, overrides = spec.partition(":")
+        if not sep or not label or not overrides:
+            raise SystemExit(f"--ours-variant wants LABEL:OVERRIDE[,OVERRIDE...], got {spec!r}")
+        variants[f"ours:{label}"] = overrides.split(",")
+    return variants
+
+
 def deepspeed_installed() -> tuple[str | None, str | None]:
     """(version, reason it is unusable); the import itself is tried by the first DeepSpeed launch."""
     try:
@@ -502,17 +516,20 @@ def main() -> None:
     total_peak = peak_per_rank[0] * args.nproc  # one process's peak x the world size
     print(f"matmul peak per process {peak_per_rank[0] / 1e9:.1f} GFLOP/s", flush=True)
 
-    runs: dict[tuple[int, str], list[list[dict[str, Any]]]] = {(k, s): [] for k in stages for s in SIDES}
+    variants = parse_variants(args.ours_variant)
+    sides = ["ours", *variants, "deepspeed"]
+    runs: dict[tuple[int, str], list[list[dict[str, Any]]]] = {(k, s): [] for k in stages for s in sides}
     # a (stage, side) that failed once is not launched again; other stages still are
     errors: dict[tuple[int, str], str] = {}
     for repeat in range(args.repeats):  # alternate sides (and stages), so drifts hit all alike
         for stage in stages:
-            for side in SIDES:
+            for side in sides:
                 if (side == "deepspeed" and ds_version is None) or (stage, side) in errors:
                     continue
-                extra = ["--side", side, "--stage", str(stage), "--peak-flops", repr(peak_per_rank[0])]
+                extra = ["--side", side, "--stage", str(stage), "--peak-flops", repr(peak_per_rank[0]),
+                         "--ours-overrides", json.dumps(variants.get(side, []))]
                 result, reason = launch(argv, args, extra)
-                label = f"stage {stage} " + (f"ours (zero{stage})" if side == "ours" else "deepspeed")
+                label = f"stage {stage} " + (f"{side} (zero{stage})" if side != "deepspeed" else "deepspeed")
                 if result is None:
                     print(f"{label}: FAILED: {reason}", flush=True)
                     errors[(stage, side)] = reason
@@ -528,22 +545,29 @@ def main() -> None:
     per_stage: dict[str, Any] = {}
     for stage in stages:
         entry: dict[str, Any] = {"ours_strategy": f"zero{stage}"}
-        for side in SIDES:
+        for side in sides:
             if runs[(stage, side)]:
                 entry[side] = summarize(runs[(stage, side)], args.warmup, tokens_per_step, flops_per_token,
                                         total_peak)
-        if "ours" in entry and "deepspeed" in entry:
-            entry["ratio"] = entry["ours"]["tokens_per_s"] / entry["deepspeed"]["tokens_per_s"]
-        for side in SIDES:
             if (stage, side) in errors:
                 entry[f"{side}_error"] = errors[(stage, side)]
+        for side in sides[:-1]:
+            if side in entry and "deepspeed" in entry:
+                key = "ratio" if side == "ours" else f"ratio_{side}"
+                entry[key] = entry[side]["tokens_per_s"] / entry["deepspeed"]["tokens_per_s"]
+                # the same launches taken pairwise (ours then DeepSpeed in each repeat): the spread of the ratio
+                entry[key + "_per_repeat"] = [a / b for a, b in zip(entry[side]["runs"], entry["deepspeed"]["runs"])]
         per_stage[str(stage)] = entry
-        if "ours" in entry:
-            line = f"stage {stage}: ours {entry['ours']['tokens_per_s']:,.0f} tok/s"
+        for side in sides[:-1]:
+            if side not in entry:
+                continue
+            line = f"stage {stage}: {side} {entry[side]['tokens_per_s']:,.0f} tok/s"
             if "deepspeed" in entry:
+                key = "ratio" if side == "ours" else f"ratio_{side}"
                 line += (f", deepspeed {entry['deepspeed']['tokens_per_s']:,.0f} tok/s, "
-                         f"ratio {entry['ratio']:.3f}; peak RSS growth rank 0: ours "
-                         f"{mib(entry['ours']['peak_rss_growth_bytes_per_rank'][0])}, deepspeed "
+                         f"ratio {entry[key]:.3f} (per repeat "
+                         + " ".join(f"{r:.2f}" for r in entry[key + "_per_repeat"]) + "); peak RSS growth rank 0: "
+                         f"{side} {mib(entry[side]['peak_rss_growth_bytes_per_rank'][0])}, deepspeed "
                          f"{mib(entry['deepspeed']['peak_rss_growth_bytes_per_rank'][0])}")
             print(line, flush=True)
 
@@ -574,7 +598,7 @@ def main() -> None:
             "tokens_per_step": tokens_per_step, "grad_clip": cfg.trainer.grad_clip,
             "deepspeed_bucket_mb": args.bucket_mb,
             "deepspeed_stage3_param_persistence_threshold": args.ds_persistence_threshold,
-            "overrides": list(args.overrides), "torch": torch.__version__,
+            "overrides": list(args.overrides), "ours_variants": variants, "torch": torch.__version__,
         },
     }
     print(json.dumps(results), flush=True)

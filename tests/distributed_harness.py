@@ -3,21 +3,27 @@
 Starting processes costs seconds on a 2-core machine, so the multi-process tests batch their runs:
 `torchrun --nproc-per-node N tests/distributed_harness.py SPEC.json`, where SPEC lists named override
 lists. Each run writes, from rank 0, `<out>/<name>/summary.json` (with per-step losses from metrics.csv
-next to it) and `<out>/<name>/weights.pt` (the full final weights).
+next to it) and `<out>/<name>/weights.pt` (the full final weights). With `"count_collectives": true` in
+SPEC, each summary also gets `collective_calls`: rank 0's collectives over the run's own process groups,
+by operation, from torch's flight recorder.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.collectives import enable_flight_recorder, flight_recorder_entries, group_names  # noqa: E402
 from trainer.config import compose  # noqa: E402
 from trainer.launch import configure_worker_logging  # noqa: E402
 from trainer.run import build_trainer  # noqa: E402
@@ -25,6 +31,8 @@ from trainer.run import build_trainer  # noqa: E402
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("count_collectives"):
+        enable_flight_recorder(entries=100_000)  # every collective of every run: the ring must not wrap
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(spec["out"])
@@ -32,8 +40,13 @@ def main() -> None:
     configure_worker_logging(rank, out)
     for run in spec["runs"]:
         run_dir = out / run["name"]
+        first_record = next_record_id()
         trainer = build_trainer(compose(run["overrides"]), run_dir)
         summary = trainer.fit()
+        if spec.get("count_collectives"):
+            summary["collective_calls"] = collective_calls(first_record, trainer.strategy.dims)
+            summary["fsdp_units"] = sum(isinstance(m, FSDPModule) for part in trainer.model_parts
+                                        for m in part.modules())
         weights = trainer.strategy.full_state_dict(trainer.model_parts)
         if rank == 0:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -45,6 +58,28 @@ def main() -> None:
         trainer = None
         gc.collect()
     dist.destroy_process_group()
+
+
+def next_record_id() -> int:
+    """The flight recorder's next record id (its records are numbered in call order)."""
+    return max((int(entry.get("record_id", -1)) for entry in flight_recorder_entries()), default=-1) + 1
+
+
+def collective_calls(first_record: int, dims: object) -> dict[str, int]:
+    """This rank's collectives of at least 1,024 elements (gradient and parameter traffic, not the scalar
+    losses and norms) since `first_record`, counted by `operation@group` as the flight recorder names the
+    operation (on gloo a reduce-scatter is an `all_reduce` of the whole input) and the parallel dimension
+    names the group (`ParallelDims.named_groups`)."""
+    names = group_names(dims)
+    counts: Counter[str] = Counter()
+    for entry in flight_recorder_entries():
+        sizes = entry.get("input_sizes") or [[]]
+        if int(entry.get("record_id", -1)) < first_record or math.prod(sizes[0]) < 1024:
+            continue
+        op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
+        group = names.get(str(entry.get("process_group", ("?", ""))[0]), "?")
+        counts[f"{op}@{group}"] += 1
+    return dict(counts)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps
 # (name, strategy overrides, processes); micro-batch = 16 / (2 x dp) gives accumulation 2 everywhere
 STRATEGIES = {
     2: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "zero3_offload", "zero1_offload",
-        "zero2_offload", "zero3_optimizer_offload", "ddp_fp16", "ddp_powersgd"],
+        "zero2_offload", "zero3_optimizer_offload", "ddp_fp16", "ddp_powersgd", "zero3_reduce_per_step"],
     4: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid"],
 }
 STRATEGY_OVERRIDES = {
@@ -45,6 +45,8 @@ STRATEGY_OVERRIDES = {
     "zero1_offload": ["strategy=zero1", "strategy.offload_optimizer=true"],
     "zero2_offload": ["strategy=zero2", "strategy.offload_optimizer=true"],
     "zero3_optimizer_offload": ["strategy=zero3", "strategy.offload_optimizer=true"],
+    # accumulation: one reduce-scatter per step, parameters kept gathered between the micro-batches
+    "zero3_reduce_per_step": ["strategy=zero3", "strategy.grad_sync=step", "strategy.reshard_after_backward=false"],
     # gradient compression changes the gradients, so these are checked for training, not parity
     "ddp_fp16": ["strategy=ddp", "strategy.comm_hook=fp16"],
     "ddp_powersgd": ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_start_iter=2"],
@@ -57,10 +59,12 @@ def losses(run_dir: Path, column: str = "train_loss") -> list[float]:
         return [float(r[column]) for r in csv.DictReader(f) if r.get(column)]
 
 
-def launch_harness(out: Path, nproc: int, runs: list[dict]) -> None:
+def launch_harness(out: Path, nproc: int, runs: list[dict], count_collectives: bool = False) -> None:
+    """All `runs` in one torchrun launch of `nproc` processes (tests/distributed_harness.py); with
+    `count_collectives`, each summary counts rank 0's collectives (`collective_calls`)."""
     spec = out / f"spec_{nproc}.json"
     out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs}))
+    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs, "count_collectives": count_collectives}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -77,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         micro = 16 // (2 * nproc)
         runs = [{"name": name, "overrides": MODEL + LOOP + STRATEGY_OVERRIDES[name] + [
             f"trainer.devices={nproc}", f"trainer.micro_batch_size={micro}"]} for name in names]
-        launch_harness(out, nproc, runs)
+        launch_harness(out, nproc, runs, count_collectives=True)
     # the single-process reference, same global batch (16) as 2 micro-batches of 8
     reference = build_trainer(compose(MODEL + LOOP + ["trainer.micro_batch_size=8"]), out / "single")
     reference.fit()
@@ -102,6 +106,21 @@ def test_losses_and_weights_match_single_process(runs: Path, nproc: int, name: s
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, atol=1e-5, rtol=0, msg=f"{name} on {nproc}: {key}")
+
+
+@pytest.mark.slow
+def test_zero3_reduces_once_per_step_when_asked(runs: Path) -> None:
+    """zero3 reduce-scatters every FSDP unit's gradients after each of the 2 micro-batches of a step;
+    grad_sync=step once per step (the same losses and weights: the parity test above), and with
+    reshard_after_backward=false the second micro-batch's forward gathers nothing again. (gloo records a
+    reduce-scatter as an all-reduce of the whole input.)"""
+    every = json.loads((runs / "np2" / "zero3" / "summary.json").read_text())
+    once = json.loads((runs / "np2" / "zero3_reduce_per_step" / "summary.json").read_text())
+    units, steps = every["fsdp_units"], 20
+    assert units == once["fsdp_units"] == 3  # 2 blocks and the root
+    assert every["collective_calls"]["all_reduce@dp_shard"] == units * 2 * steps
+    assert once["collective_calls"]["all_reduce@dp_shard"] == units * steps
+    assert once["collective_calls"]["all_gather@dp_shard"] < every["collective_calls"]["all_gather@dp_shard"]
 
 
 def held(runs: Path, name: str, kind: str) -> list[int]:

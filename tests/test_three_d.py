@@ -6,6 +6,7 @@ pp=2 x dp=4 as 2 replicas x 2 shards) and for GPT blocks under an interleaved sc
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launch_harness(out, 8, [
         *({"name": name, "overrides": model + LOOP + strategy} for name, (model, strategy) in PARITY.items()),
         *exact_resume_runs("3d", THREE_D, out / "np8"),
-    ])
+    ], count_collectives=True)
     reference(out, "single", MODEL)
     reference(out, "single_gpt", GPT)
     return out
@@ -74,6 +75,17 @@ def test_3d_matches_single_process(runs: Path, name: str) -> None:
     assert weights.keys() == reference_weights.keys()
     for key, value in reference_weights.items():
         torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"3d/{name}: {key}")
+
+
+@pytest.mark.parametrize("flavour", ["ddp", "shard_grad_op", "zero3", "fsdp"])
+def test_3d_reduces_gradients_once_per_step(runs: Path, flavour: str) -> None:
+    """The pipeline's 2 micro-batches are gradient accumulation: every data-parallel unit of rank 0's stage
+    reduces its gradients over dp once per optimizer step (the schedule holds FSDP2's reduction back until
+    the last micro-batch), not once per micro-batch."""
+    summary = json.loads((runs / "np8" / flavour / "summary.json").read_text())
+    reductions = sum(n for key, n in summary["collective_calls"].items() if key.startswith("all_reduce@dp"))
+    assert summary["fsdp_units"] == 3  # stage 0: 2 blocks and the root (the embedding)
+    assert reductions == summary["fsdp_units"] * 10
 
 
 def test_3d_exact_resume_gives_the_same_losses(runs: Path) -> None:

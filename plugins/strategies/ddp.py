@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.interfaces.precision import DTYPE_NAMES, Precision
-from trainer.interfaces.strategy import MicroBatch
 from trainer.optim import optimizer_factory_from_config, param_groups
 from trainer.parallel_dims import shard_rows
 from trainer.plugins.strategies.distributed import DistributedStrategy
@@ -110,19 +109,12 @@ class DDP(DistributedStrategy):
                         comm_hook=self.comm_hook, powersgd_rank=self.powersgd_rank,
                         powersgd_start_iter=self.powersgd_start_iter)
 
-    def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
-                         on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        (ddp,) = model_parts
-        total = torch.zeros((), device=self.device)
-        last = len(microbatches) - 1
-        for index, (inputs, targets, *doc_ids) in enumerate(microbatches):
-            # all-reduce only once the last micro-batch's gradient has been accumulated
-            sync = contextlib.nullcontext() if index == last else ddp.no_sync()  # type: ignore[operator]
-            with sync:
-                total += self.microbatch_backward(ddp, inputs, targets, len(microbatches), on_before_backward,
-                                                  *doc_ids)
-        self.reduce_expert_gradients(model_parts)
-        return total
+    def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
+        # all-reduce only once the last micro-batch's gradient has been accumulated
+        return contextlib.nullcontext() if last_microbatch else model.no_sync()  # type: ignore[operator]
+
+    def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
+        self.reduce_expert_gradients(model_parts)  # DDP leaves the split experts alone
 
 
 def _chunk_numel(param: torch.Tensor, world: int) -> int:

@@ -12,21 +12,23 @@ One implementation at different points:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainer.models.moe import moe_layers
 from trainer.plugins.strategies.distributed import DistributedStrategy
 
 log = logging.getLogger("trainer")
 SHARDING_MODES = ("full_shard", "shard_grad_op", "hybrid_shard")
+GRAD_SYNC_MODES = ("microbatch", "step")
 
 
 @dataclass
@@ -45,6 +47,14 @@ class FSDPOptions:
     # Only the optimizer's states (and fp32 masters) in host memory, stepped there; parameters and the
     # forward/backward stay on the device (ZeRO-Offload). Implied by offload_params.
     offload_optimizer: bool = False
+    # Gradient accumulation: reduce-scatter after every micro-batch's backward ("microbatch": each rank
+    # holds only its gradient shard) or once per optimizer step ("step": the micro-batches' gradients
+    # accumulate unsharded, a whole gradient per rank, and one reduce-scatter sums them).
+    grad_sync: str = "microbatch"
+    # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true), or
+    # keep them for the next micro-batch's forward (false: one all-gather fewer per block and micro-batch,
+    # the whole parameters held in between). The last micro-batch always frees them.
+    reshard_after_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING_MODES:
@@ -53,6 +63,8 @@ class FSDPOptions:
             raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
         if self.sharding == "hybrid_shard" and self.dp_replicate is not None and self.dp_replicate < 2:
             raise ValueError("hybrid_shard needs dp_replicate >= 2 (with 1 it is full_shard)")
+        if self.grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {self.grad_sync!r}")
         if self.reshard_after_forward is None:
             self.reshard_after_forward = self.sharding != "shard_grad_op"
         self._offload_noted = False
@@ -80,6 +92,14 @@ class FSDPOptions:
         if self.sharding == "hybrid_shard":
             return "hybrid_shard"
         return "zero3" if self.reshard_after_forward else "shard_grad_op"
+
+    def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
+        """FSDP2's gradient-sync and reshard controls for one micro-batch of an accumulating step (the
+        controls torch.distributed.pipelining sets around its micro-batches)."""
+        if self.grad_sync == "microbatch" and self.reshard_after_backward:
+            return contextlib.nullcontext()
+        return accumulation_flags(model, last_microbatch, sync=self.grad_sync == "microbatch",
+                                   reshard=self.reshard_after_backward)
 
     @property
     def offload(self) -> bool:
@@ -121,11 +141,13 @@ class FSDP(DistributedStrategy):
 
     def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
                  reshard_after_forward: Optional[bool] = None, offload_params: bool = False,
-                 offload_optimizer: bool = False, init: str = "auto", name: Optional[str] = None) -> None:
+                 offload_optimizer: bool = False, grad_sync: str = "microbatch", reshard_after_backward: bool = True,
+                 init: str = "auto", name: Optional[str] = None) -> None:
         super().__init__(init=init, name=name)
         self.options = FSDPOptions(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
                                    reshard_after_forward=reshard_after_forward,
-                                   offload_params=offload_params, offload_optimizer=offload_optimizer)
+                                   offload_params=offload_params, offload_optimizer=offload_optimizer,
+                                   grad_sync=grad_sync, reshard_after_backward=reshard_after_backward)
 
     @property
     def optimizer_host(self) -> torch.device | None:
@@ -149,9 +171,23 @@ class FSDP(DistributedStrategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # fully_shard changes the class in place, not the module tree
 
+    def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
+        return self.options.backward_sync(model, last_microbatch)
+
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
         self.scale_expert_gradients(model_parts)
+
+
+@contextlib.contextmanager
+def accumulation_flags(model: nn.Module, last_microbatch: bool, *, sync: bool, reshard: bool) -> Iterator[None]:
+    """FSDP2's controls (also those of `replicate`) for one micro-batch: reduce its gradients (`sync`) and
+    free the gathered parameters after its backward (`reshard`), both forced on the last micro-batch."""
+    fsdp_model = cast(FSDPModule, model)
+    fsdp_model.set_requires_gradient_sync(sync or last_microbatch)
+    fsdp_model.set_reshard_after_backward(reshard or last_microbatch)
+    fsdp_model.set_is_last_backward(last_microbatch)
+    yield
 
 
 def shard_experts(model: nn.Module, edp_mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy,
@@ -220,6 +256,12 @@ class FSDPConfig:
     # Only the optimizer: this rank's optimizer states (and fp32 masters) in host memory, stepped there;
     # parameters and the forward/backward stay on the device (ZeRO-Offload). offload_params implies it.
     offload_optimizer: bool = False
+    # Gradient accumulation: reduce-scatter after every micro-batch ("microbatch": only a gradient shard
+    # is ever held) or once per optimizer step ("step": a whole gradient accumulates on every rank).
+    grad_sync: str = "microbatch"
+    # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true) or keep
+    # them for the next micro-batch's forward (false: fewer all-gathers, whole parameters held meanwhile).
+    reshard_after_backward: bool = True
     # Weight initialization: full (whole model on every rank, then sharded: bitwise the single-process
     # weights), sharded (each rank initializes its shards: for models too big for host memory) or auto.
     init: str = "auto"

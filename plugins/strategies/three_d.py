@@ -19,15 +19,16 @@ data-parallel dimension `wrap_replicate` / `wrap_fsdp` with `FSDPOptions` (as `s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
@@ -35,7 +36,7 @@ from trainer.interfaces.strategy import MicroBatch
 from trainer.models.moe import moe_layers
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
 from trainer.plugins.strategies.distributed import DistributedStrategy
-from trainer.plugins.strategies.fsdp import FSDPOptions, shard_experts, wrap_fsdp
+from trainer.plugins.strategies.fsdp import FSDPOptions, accumulation_flags, shard_experts, wrap_fsdp
 from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
 from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
 from trainer.plugins.strategies.tensor_parallel import (
@@ -88,7 +89,8 @@ class ThreeD(DistributedStrategy):
                  offload_params: bool = False, offload_optimizer: bool = False, schedule: str = "1f1b",
                  virtual_stages: int = 1, layers_per_stage: Optional[Sequence[int]] = None,
                  embedding_weight: float = 1.0, head_weight: float = 1.0, sequence_parallel: bool = True,
-                 loss_parallel: bool = True, init: str = "auto", name: Optional[str] = None) -> None:
+                 loss_parallel: bool = True, grad_sync: str = "microbatch", reshard_after_backward: bool = True,
+                 init: str = "auto", name: Optional[str] = None) -> None:
         super().__init__(init=init, name=name)
         self.pipeline_options = PipelineOptions(schedule=schedule, virtual_stages=virtual_stages,
                                                 layers_per_stage=layers_per_stage,
@@ -112,7 +114,8 @@ class ThreeD(DistributedStrategy):
         # The FSDP options and checks, as strategy=fsdp has them (used by the sharded flavours).
         self.fsdp_options = FSDPOptions(sharding=SHARDING.get(data_parallel, "full_shard"), dp_replicate=dp_replicate,
                                         prefetch_blocks=prefetch_blocks, offload_params=offload_params,
-                                        offload_optimizer=offload_optimizer)
+                                        offload_optimizer=offload_optimizer, grad_sync=grad_sync,
+                                        reshard_after_backward=reshard_after_backward)
         # This rank's stages and schedule, made by `split_pipeline` (None before, or with pp=1).
         self.pipeline: Pipeline | None = None
         self.sharded_states: ShardedOptimizerStates | None = None
@@ -240,6 +243,17 @@ class ThreeD(DistributedStrategy):
         self.reduce_gradients(model_parts)
         return loss
 
+    def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
+        """Accumulation without a pipeline (a pipeline schedule sets FSDP2's controls itself: one reduction
+        per step, parameters kept gathered between its micro-batches). The replicating flavours all-reduce
+        once per step, as DDP's no_sync does (their gradients are whole anyway); the sharded ones follow
+        grad_sync and reshard_after_backward."""
+        if not isinstance(model, FSDPModule):  # dp = 1: nothing wrapped
+            return contextlib.nullcontext()
+        if self.replicating:
+            return accumulation_flags(model, last_microbatch, sync=False, reshard=True)
+        return self.fsdp_options.backward_sync(model, last_microbatch)
+
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
         self.scale_expert_gradients(model_parts)  # their units averaged over edp only
@@ -293,6 +307,11 @@ class ThreeDConfig:
     offload_params: bool = False
     # zero1 and the sharded flavours: only the optimizer's partition (and fp32 masters) in host memory.
     offload_optimizer: bool = False
+    # FSDP flavours without a pipeline, under gradient accumulation: reduce-scatter per micro-batch or once
+    # per step, and free or keep the gathered parameters between micro-batches (see strategy=fsdp). Under a
+    # pipeline the schedule reduces once per step and keeps them gathered.
+    grad_sync: str = "microbatch"
+    reshard_after_backward: bool = True
     # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble), stages per rank, layer split.
     schedule: str = "1f1b"
     virtual_stages: int = 1

@@ -12,7 +12,8 @@ default; implementations live in trainer/plugins/strategies.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.nn as nn
@@ -231,10 +232,17 @@ class Strategy:
         """Accumulate gradients over the micro-batches; return the mean loss of this rank (detached)."""
         (model,) = model_parts
         total = torch.zeros((), device=self.device)
-        for inputs, targets, *doc_ids in microbatches:
-            total += self.microbatch_backward(model, inputs, targets, len(microbatches), on_before_backward,
-                                              *doc_ids)
+        last = len(microbatches) - 1
+        for index, (inputs, targets, *doc_ids) in enumerate(microbatches):
+            with self.backward_sync(model, last_microbatch=index == last):
+                total += self.microbatch_backward(model, inputs, targets, len(microbatches), on_before_backward,
+                                                  *doc_ids)
         return total
+
+    def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
+        """Around one micro-batch's forward and backward: a data-parallel wrapper's gradient reduction held
+        back until the last micro-batch of the step (Lightning's `no_backward_sync`). Nothing here."""
+        return contextlib.nullcontext()
 
     def microbatch_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                             num_microbatches: int,
