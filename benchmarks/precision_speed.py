@@ -9,6 +9,10 @@ gain at most what its matmuls gain, less the casts it adds.
 
     python benchmarks/precision_speed.py                      # ~10 minutes on 2 CPU cores without AMX
     python benchmarks/precision_speed.py --precisions fp32,bf16 --steps 3 --repeats 1   # smoke test
+    python benchmarks/precision_speed.py --model gpt2_small --seq-len 1024 --batch 8 --steps 10 --warmup 3  # a GPU
+
+On a machine with CUDA the runs (and the matmul measurements) use the GPU: the trainer's
+`trainer.accelerator=auto` picks it.
 
 The last line is one JSON object with every figure.
 """
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="steps run before the clock starts")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each precision (median)")
+    parser.add_argument("--model", default="tiny", help="a conf/model/ config (tiny: 3.3M parameters)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (one micro-batch)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
@@ -65,13 +70,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     precisions = args.precisions.split(",")
     n = args.steps + args.warmup
-    base = ["model=tiny", f"trainer.seq_len={args.seq_len}", f"trainer.global_batch_size={args.batch}",
+    base = [f"model={args.model}", f"trainer.seq_len={args.seq_len}", f"trainer.global_batch_size={args.batch}",
             f"trainer.micro_batch_size={args.batch}", f"trainer.max_steps={n}", f"trainer.val_every={n + 1}",
             "trainer.val_batches=1", "callbacks=none", "lr_schedule.warmup_steps=1", "trainer.peak_flops=1e12"]
     if args.threads:
         base.append(f"trainer.num_threads={args.threads}")
     tokens_per_step = args.seq_len * args.batch
-    peaks = {name: measure_matmul_flops("cpu", DTYPES[name]) for name in sorted({COMPUTE_DTYPE[p] for p in precisions})}
+    # the device the runs use (trainer.accelerator=auto), so the matmul context is that device's
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    peaks = {name: measure_matmul_flops(device_type, DTYPES[name]) for name in sorted({COMPUTE_DTYPE[p] for p in precisions})}
     print("matmul GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()), flush=True)
 
     speeds: dict[str, list[float]] = {p: [] for p in precisions}
@@ -89,6 +96,7 @@ def main() -> None:
     # ratio of medians when the machine is shared.
     paired = {p: [s / r for s, r in zip(speeds[p], speeds["fp32"])] for p in precisions} if reference else {}
     results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu", "model": args.model,
         "threads": torch.get_num_threads(), "seq_len": args.seq_len, "batch": args.batch,
         "tokens_per_step": tokens_per_step, "measured_steps": args.steps, "repeats": args.repeats,
         "matmul_flops": peaks, "precisions": {},

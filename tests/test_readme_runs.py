@@ -70,6 +70,8 @@ NOT_RUN = {
     'pip install -e ".[data]"': INSTALL,
     "python -m pytest -q": "the test suite itself, of which this test is part",
     'python -m pytest -m "not slow" -q': "the fast tier of the test suite itself (this test is in the full one)",
+    "python -m pytest -m gpu": "the GPU tier of the test suite (tests/test_gpu.py): needs a CUDA GPU, and skips "
+                               "without one",
     "srun --ntasks-per-node 8 python -m trainer strategy=fsdp trainer.devices=8 trainer.num_nodes=4 "
     "trainer.global_batch_size=256": "needs SLURM, which this machine does not have; "
     "tests/test_launch.py::test_srun_tasks_join_as_one_job runs tasks with srun's variables set by hand",
