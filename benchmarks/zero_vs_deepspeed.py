@@ -58,6 +58,12 @@ What is reported, per stage and side:
         model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.ffn_hidden_dim=128 \\
         trainer.seq_len=64 data.max_bytes=1000000    # smoke test, ~2 min
 
+`--ours-variant LABEL:OVERRIDE[,OVERRIDE...]` (repeatable) adds our strategy with other settings as one
+more side, alternated with the rest, each reported against DeepSpeed (the zero3 tuning of issue 18):
+
+    python benchmarks/zero_vs_deepspeed.py --stages 3 --ours-variant prefetch2:strategy.prefetch_blocks=2 \
+        --ours-variant per_step:strategy.grad_sync=step,strategy.reshard_after_backward=false
+
 DeepSpeed is optional (`DS_BUILD_OPS=0 pip install deepspeed`): without it, or when it fails to run
 here, our side is still measured and the JSON says why DeepSpeed is missing. The last line printed is
 one JSON object with every figure.
@@ -420,7 +426,9 @@ def launch(argv: list[str], args: argparse.Namespace, extra: list[str]) -> tuple
         except subprocess.TimeoutExpired:
             return None, f"timed out after {args.timeout} s"
         if done.returncode != 0 or not result_path.exists():
-            return None, _failure_reason(done.stdout + done.stderr, done.returncode)
+            log = Path(tempfile.mkstemp(prefix="zero_vs_deepspeed_failed_", suffix=".log")[1])
+            log.write_text(" ".join(command) + "\n" + done.stdout + done.stderr)
+            return None, f"{_failure_reason(done.stdout + done.stderr, done.returncode)} (whole output: {log})"
         return json.loads(result_path.read_text()), ""
 
 

@@ -55,6 +55,9 @@ class FSDPOptions:
     # keep them for the next micro-batch's forward (false: one all-gather fewer per block and micro-batch,
     # the whole parameters held in between). The last micro-batch always frees them.
     reshard_after_backward: bool = True
+    # With reshard_after_forward: free the last block's parameters after its forward too (false: keep
+    # them, since the backward starts with that block and would gather them again at once).
+    reshard_last_block: bool = False
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING_MODES:
@@ -142,12 +145,13 @@ class FSDP(DistributedStrategy):
     def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
                  reshard_after_forward: Optional[bool] = None, offload_params: bool = False,
                  offload_optimizer: bool = False, grad_sync: str = "microbatch", reshard_after_backward: bool = True,
-                 init: str = "auto", name: Optional[str] = None) -> None:
+                 reshard_last_block: bool = False, init: str = "auto", name: Optional[str] = None) -> None:
         super().__init__(init=init, name=name)
         self.options = FSDPOptions(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
                                    reshard_after_forward=reshard_after_forward,
                                    offload_params=offload_params, offload_optimizer=offload_optimizer,
-                                   grad_sync=grad_sync, reshard_after_backward=reshard_after_backward)
+                                   grad_sync=grad_sync, reshard_after_backward=reshard_after_backward,
+                                   reshard_last_block=reshard_last_block)
 
     @property
     def optimizer_host(self) -> torch.device | None:
@@ -166,7 +170,8 @@ class FSDP(DistributedStrategy):
         return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
                          offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
                          reshard_after_forward=self.options.reshard_after_forward,  # type: ignore[arg-type]
-                         prefetch_blocks=self.options.prefetch_blocks)
+                         prefetch_blocks=self.options.prefetch_blocks,
+                         reshard_last_block=self.options.reshard_last_block)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # fully_shard changes the class in place, not the module tree
@@ -205,14 +210,15 @@ def shard_experts(model: nn.Module, edp_mesh: DeviceMesh | None, *, mp_policy: M
 
 
 def wrap_fsdp(model: nn.Module, mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy,
-              offload_policy: OffloadPolicy, reshard_after_forward: bool, prefetch_blocks: int) -> nn.Module:
+              offload_policy: OffloadPolicy, reshard_after_forward: bool, prefetch_blocks: int,
+              reshard_last_block: bool = False) -> nn.Module:
     """FSDP2 over `mesh` (1-D: shard; 2-D: replicate x shard): one unit per transformer block, then the
     root (embedding, final norm, head). Parameters that are already tensor-parallel DTensors become 2-D."""
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     blocks = list(model.layers.values())  # type: ignore[union-attr]
     for index, block in enumerate(blocks):
-        # The last block's parameters are needed again right away by the backward: keep them.
-        reshard = reshard_after_forward and index < len(blocks) - 1
+        # The last block's parameters are needed again right away by the backward: keep them (unless asked).
+        reshard = reshard_after_forward and (reshard_last_block or index < len(blocks) - 1)
         fully_shard(block, reshard_after_forward=reshard, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     _set_prefetch(blocks, prefetch_blocks)
@@ -262,6 +268,9 @@ class FSDPConfig:
     # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true) or keep
     # them for the next micro-batch's forward (false: fewer all-gathers, whole parameters held meanwhile).
     reshard_after_backward: bool = True
+    # With reshard_after_forward: free the last block's parameters after its forward too (false: kept for
+    # the backward, which starts with that block).
+    reshard_last_block: bool = False
     # Weight initialization: full (whole model on every rank, then sharded: bitwise the single-process
     # weights), sharded (each rank initializes its shards: for models too big for host memory) or auto.
     init: str = "auto"
