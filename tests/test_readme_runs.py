@@ -105,6 +105,10 @@ ELSEWHERE = {
          ['"data=megatron"', "data.vocab_size=", "data.eos_id="]),
     "python -m trainer data=nanogpt data.path=nanoGPT/data/openwebtext model=gpt2_small":
         ("tests/test_data_mixture.py::test_megatron_and_nanogpt_files_train_like_our_format", ['"data=nanogpt"']),
+    # a calibration trains a few steps on 2 processes: that test runs it with a tiny model
+    "python -m trainer strategy=ddp trainer.devices=2 mode=plan plan.calibrate=true":
+        ("tests/test_calibrate.py::test_two_process_calibration_through_the_cli",
+         ['"strategy=ddp", "trainer.devices=2", "mode=plan"', '"plan.calibrate=true"']),
     # no SLURM here: the README's local twin, submitit's local executor, each job in its own process
     "python -m trainer -m hydra/launcher=slurm ...":
         ("tests/test_sweep.py::test_optuna_sweeper_on_the_submitit_local_launcher", ['"hydra/launcher=local"']),

@@ -13,7 +13,9 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -98,6 +100,23 @@ def check_memory(cfg: DictConfig) -> None:
         raise DoesNotFitError(verdict)
 
 
+def on_workers(cfg: DictConfig, run_dir: Path, work: Callable[[DictConfig, Path], Any]) -> None:
+    """Run `work(cfg, run_dir)` (a module-level function) on every process of the run: launched here, or on
+    this process when it already is one of torchrun's or srun's workers (or the only one)."""
+    from trainer.launch import (adopt_slurm_environment, configure_worker_logging, distributed_environment, launch,
+                                needs_launch)
+
+    if needs_launch(cfg):
+        launch(cfg, run_dir, work)
+        return
+    if distributed_environment() == "slurm":
+        adopt_slurm_environment()
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0 or distributed_environment() == "slurm":
+        configure_worker_logging(rank, run_dir)
+    work(cfg, run_dir)
+
+
 def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Validate, then train here or in launched workers: the run's summary, None if it was skipped."""
     from trainer.launch import (adopt_slurm_environment, configure_worker_logging, distributed_environment,
@@ -106,6 +125,14 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
     from trainer.sweep import read_summary, unfit_reason, write_status
 
     validate(cfg)  # again: multirun jobs skip the preflight
+    if cfg.mode == "plan" and cfg.plan.calibrate:  # a few steps of the config on this machine, then the comparison
+        from trainer.planner.calibrate import report, run_config
+        from trainer.planner.calibration_run import calibration_worker
+
+        on_workers(run_config(cfg), run_dir, calibration_worker)
+        if int(os.environ.get("RANK", "0")) == 0:
+            report(cfg, run_dir, list(HydraConfig.get().overrides.task))
+        return None
     if cfg.mode == "plan":  # a sweep of plans: each job prints its report, nothing runs
         from trainer.planner.report import run as run_plan
 
@@ -121,15 +148,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
     if cfg.mode == "check":  # bandwidth and latency of the run's groups (trainer/commcheck.py), no training
         from trainer.commcheck import check
 
-        if needs_launch(cfg):
-            launch(cfg, run_dir, check)
-        elif int(os.environ.get("RANK", "0")) != 0 or distributed_environment() == "slurm":
-            if distributed_environment() == "slurm":
-                adopt_slurm_environment()
-            configure_worker_logging(int(os.environ.get("RANK", "0")), run_dir)
-            check(cfg, run_dir)
-        else:
-            check(cfg, run_dir)
+        on_workers(cfg, run_dir, check)
         return None
     if needs_launch(cfg):
         launch(cfg, run_dir, train)
@@ -195,7 +214,7 @@ def main() -> None:
     # Flags (--multirun, --help, --cfg, -cn...) change what Hydra composes: leave those to Hydra.
     if not any(arg.startswith("-") for arg in args):
         cfg = preflight(args)
-        if cfg.mode == "plan":  # a report, nothing runs: no run directory, Hydra's app is not started
+        if cfg.mode == "plan" and not cfg.plan.calibrate:  # a report, nothing runs: no run directory, no Hydra app
             from trainer.planner.report import run as run_plan
 
             sys.exit(run_plan(cfg, args))

@@ -25,15 +25,46 @@ log = logging.getLogger("trainer")
 LATENCY_ITERS = 20
 
 
-def _time_all_reduce(tensor: torch.Tensor, group: Any, iters: int, device: torch.device) -> float:
-    """Seconds per all-reduce of `tensor` over `group` (after one warm-up call)."""
-    dist.all_reduce(tensor, group=group)
+# The collectives `time_collective` times, named as the planner names them (trainer/planner/communication.py).
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "point-to-point")
+
+
+def _run(op: str, tensors: tuple[torch.Tensor, torch.Tensor], group: Any) -> None:
+    """One `op` over `group`: `tensors` are (input, output) as `time_collective` made them."""
+    source, target = tensors
+    if op == "all-reduce":
+        dist.all_reduce(source, group=group)
+    elif op == "all-gather":
+        dist.all_gather_single(target, source, group=group)
+    elif op == "reduce-scatter":
+        dist.reduce_scatter_single(target, source, group=group)
+    else:  # point-to-point: every rank sends to the next in the group and receives from the previous (a ring)
+        ranks = dist.get_process_group_ranks(group)
+        index = ranks.index(dist.get_rank())
+        ops = [dist.P2POp(dist.isend, source, ranks[(index + 1) % len(ranks)], group),
+               dist.P2POp(dist.irecv, target, ranks[(index - 1) % len(ranks)], group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def time_collective(op: str, numel: int, group: Any, iters: int, device: torch.device) -> float:
+    """Seconds per `op` (one of OPS) of a payload of `numel` fp32 elements over `group`, after one warm-up
+    call: the whole tensor an all-reduce reduces, an all-gather gathers and a reduce-scatter scatters (each
+    rank holding 1/n of it on the sharded side), and what each rank sends to the next in a point-to-point
+    exchange. Every rank of the group must call it with the same arguments."""
+    n = dist.get_world_size(group)
+    numel = max(n, numel - numel % n)  # the sharded side splits evenly
+    full = torch.zeros(numel, device=device)
+    shard = torch.zeros(numel // n, device=device)
+    tensors = {"all-reduce": (full, full), "all-gather": (shard, full), "reduce-scatter": (full, shard),
+               "point-to-point": (full, torch.empty_like(full))}[op]
+    _run(op, tensors, group)
     dist.barrier(group=group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(tensor, group=group)
+        _run(op, tensors, group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / iters
@@ -48,8 +79,8 @@ def measure(dims: Any, device: torch.device, size_mb: float, iters: int) -> list
         size = dist.get_world_size(group)
         if size < 2:
             continue
-        latency = _time_all_reduce(torch.zeros(2, device=device), group, LATENCY_ITERS, device)
-        seconds = _time_all_reduce(torch.zeros(numel, device=device), group, iters, device)
+        latency = time_collective("all-reduce", 2, group, LATENCY_ITERS, device)
+        seconds = time_collective("all-reduce", numel, group, iters, device)
         algbw = numel * 4 / seconds / 1e9
         rows.append({"group": name, "size": size, "ranks": dist.get_process_group_ranks(group),
                      "latency_us": latency * 1e6, "algbw_gbs": algbw, "busbw_gbs": algbw * 2 * (size - 1) / size})

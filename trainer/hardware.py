@@ -30,7 +30,14 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
 @functools.lru_cache(maxsize=None)
 def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32,
                          min_seconds: float = 0.2, max_size: int = 4096, repeats: int = 3) -> float:
-    """Best achieved FLOP/s of a square matmul on this device and thread count (the MFU reference).
+    """Best achieved FLOP/s of a square matmul on this device and thread count (the MFU reference),
+    measured once per process (`matmul_flops` measures again on every call)."""
+    return matmul_flops(device_type, dtype, min_seconds, max_size, repeats)
+
+
+def matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32,
+                 min_seconds: float = 0.2, max_size: int = 4096, repeats: int = 3) -> float:
+    """Best achieved FLOP/s of a square matmul on this device and thread count, measured now.
 
     BLAS efficiency grows with the matrix size, so the size doubles until one product takes
     `min_seconds` (or reaches `max_size`): the figure is what the hardware sustains, not the
@@ -47,6 +54,73 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
         size *= 2
     best = min(_time_matmul(a, b) for _ in range(repeats))
     return 2 * size**3 / best
+
+
+def shapes_matmul_flops(shapes: list[tuple[int, int, int, int]], device_type: str = "cpu",
+                        dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:
+    """Achieved FLOP/s over matmuls of the given sizes, measured now: each (m, k, n, count) is a forward
+    product [m, k] x [k, n] and its two backward ones ([m, n] x [n, k] for the input's gradient, [k, m] x
+    [m, n] for the weight's), each timed as the best of `repeats` after a warm-up, weighted by count."""
+    device = torch.device(device_type)
+    flops = seconds = 0.0
+    for m, k, n, count in shapes:
+        for (rows, inner), (_, cols) in (((m, k), (k, n)), ((m, n), (n, k)), ((k, m), (m, n))):
+            a = torch.randn(rows, inner, device=device, dtype=dtype)
+            b = torch.randn(inner, cols, device=device, dtype=dtype)
+            torch.matmul(a, b)
+            best = min(_time_matmul(a, b) for _ in range(repeats))
+            flops += count * 2 * rows * inner * cols
+            seconds += count * best
+    return flops / seconds if seconds > 0 else 0.0
+
+
+def attention_flops(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, causal: bool = True,
+                    device_type: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:
+    """Achieved FLOP/s of SDPA's fused attention, forward and backward, at one shape, measured now (the best
+    of `repeats` after a warm-up). FLOPs are what the kernel runs: 4 b h s^2 d forward and twice that
+    backward, halved when causal (the kernel skips the key blocks above the diagonal)."""
+    import torch.nn.functional as F
+
+    device = torch.device(device_type)
+    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
+        out.backward(grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    once()
+    best = min(once() for _ in range(repeats))
+    return 12 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0) / best
+
+
+def memory_bandwidth(device_type: str = "cpu", size_mb: float = 64.0, repeats: int = 5) -> float:
+    """Bytes per second this process moves through memory, measured now: the best of `repeats` copies of
+    a `size_mb` MiB fp32 tensor (each reads and writes it: 2 x its bytes). Large enough to leave the caches,
+    so it is what a memory-bound step (the optimizer's) sees; run it on every process at once to measure a
+    device's share of a shared memory bus."""
+    device = torch.device(device_type)
+    source = torch.ones(int(size_mb * 2**20) // 4, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # first touch: page faults are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Iterable
 
 import torch
@@ -65,3 +66,81 @@ def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimiz
         # offloaded states (FSDP's CPUOffloadPolicy, ZeRO-Offload's optimizer) sit in host memory
         held["host"] = sum(_bytes(t for t in tensors if _local(t).device.type == "cpu") for tensors in kinds.values())
     return held
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct CPU storage a live Python tensor holds (parameters, gradients, optimizer
+    states, buffers, the batch; a DTensor's local shard, a wrapper subclass's inner tensor), after a garbage
+    collection. What only C++ holds (a collective's buffers) is not seen; at a step boundary that is nothing
+    the planner counts."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): isinstance would read deprecated proxies
+            continue
+        try:
+            local = _local(obj)
+            if local.device.type != "cpu" or local.numel() == 0:
+                continue
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # meta, fake or freed storages
+            continue
+    return sum(storages.values())
+
+
+class TensorPeakMeter:
+    """The peak of the bytes this process's tensors hold on the CPU during one window (a training step).
+
+    On a GPU the figure the planner's per-device total compares with is `torch.cuda.max_memory_allocated`:
+    the peak of live tensor bytes. The CPU has no such counter, and the resident set (what `peak_memory_bytes`
+    reports there) also holds the interpreter, torch's libraries, the data and the allocator's free lists,
+    hundreds of MB the planner does not model. So the peak is counted in two parts:
+    - at `start`, the live tensors' bytes (`live_tensor_bytes`: weights, gradients, optimizer states,
+      buffers, the batch);
+    - during the window, the rise above that: with memory profiling on, torch's CPU allocator reports every
+      allocation and free of this thread (and of the autograd and intra-op threads it hands its state to),
+      and the running sum of those reports peaks where the live tensor bytes do.
+    Two kinds of frees are never reported: of memory allocated before `start`, and by a thread the profiler
+    does not follow (gloo's worker, when it drops a collective's input last: tensor parallelism's
+    redistributions, some 13 MB a step for the tiny model at tp=2), so the running sum drifts up. A step
+    ends holding what it started with (its gradients freed or replaced, no new states after the first
+    step), so what the sum still counts at `stop` is that drift (`unseen_free_bytes`); spread evenly over
+    the step, its share before the peak comes off. Hence one window of one step, not a sum over the run.
+    The profiler records every operator (a few microseconds each), so a run measures a warm-up step and
+    times the others.
+    """
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.start_bytes = 0
+        self.unseen_free_bytes = 0  # still counted live at `stop`: freed where the records could not see it
+        self.peak_bytes: int | None = None
+        self.running = False
+
+    def start(self) -> None:
+        self.start_bytes = live_tensor_bytes()
+        self._profile.start()
+        self.running = True
+
+    def stop(self) -> int:
+        """Stop recording; the peak of live tensor bytes in the window (also kept as `peak_bytes`)."""
+        self._profile.stop()
+        self.running = False
+        results = self._profile.profiler.kineto_results  # type: ignore[union-attr]
+        events = sorted((e for e in results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"),
+                        key=lambda e: e.start_ns())
+        live = rise = 0
+        peak_ns = first_ns = events[0].start_ns() if events else 0
+        for event in events:
+            live += event.nbytes()
+            if live > rise:
+                rise, peak_ns = live, event.start_ns()
+        # the drift the records end with, spread evenly over the window: its share before the peak comes off
+        self.unseen_free_bytes = max(0, live)
+        span = (events[-1].start_ns() - first_ns) if events else 0
+        unseen = self.unseen_free_bytes * (peak_ns - first_ns) / span if span > 0 else 0.0
+        self.peak_bytes = int(self.start_bytes + rise - unseen)
+        return self.peak_bytes

@@ -123,8 +123,27 @@ class PlanConfig:
     headroom: float = 0.1
     # Fraction of the peak FLOP/s the model's matmuls reach (step time, tokens/s, MFU estimates).
     matmul_efficiency: float = 0.6
+    # Fraction of the peak the attention core (QK^T, softmax, x V: SDPA's fused kernel) reaches, counted in
+    # the FLOPs it really runs (about half the model-FLOPs convention's when causal); null: matmul_efficiency.
+    # Small head dims run it far below the matmuls (a CPU's flash kernel at head_dim 32: about 30%).
+    attention_efficiency: Optional[float] = None
     # Write a memory-breakdown bar chart (PNG) to this path (null: no chart).
     chart: Optional[str] = None
+    # Check the plan against this machine (trainer/planner/calibrate.py): train the configuration for
+    # calibrate_warmup + calibrate_steps steps on its processes, measure each process's matmul FLOP/s and
+    # memory bandwidth and each process group's latency and bandwidth, predict the configuration on a
+    # hardware profile of those figures, and print predicted vs measured step time, tokens/s and peak memory
+    # (also calibration.json in the run directory).
+    calibrate: bool = False
+    # Steps timed (the median counts) and steps run before them (at least 2: the first creates the
+    # optimizer states, the second reaches the peak memory, which is recorded during the warm-up).
+    calibrate_steps: int = 8
+    calibrate_warmup: int = 2
+    # MiB of the collectives that measure each group's bandwidth (a 2-element one measures latency).
+    calibrate_message_mb: float = 8.0
+    # Also write the calibrated profile as a hardware YAML file here (in conf/hardware/NAME.yaml it is
+    # `hardware=NAME`; null: not written).
+    calibrate_save: Optional[str] = None
 
 
 @dataclass

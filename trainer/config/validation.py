@@ -185,6 +185,12 @@ def _validate_plan(cfg: DictConfig) -> None:
              f"must be a rank of the world of {world_size(cfg)} (0 to {world_size(cfg) - 1}) or null, got {p.rank}")
     _require(0 <= p.headroom < 1, "plan.headroom", f"must be in [0, 1), got {p.headroom}")
     _require(0 < p.matmul_efficiency <= 1, "plan.matmul_efficiency", f"must be in (0, 1], got {p.matmul_efficiency}")
+    _require(p.attention_efficiency is None or 0 < p.attention_efficiency <= 1, "plan.attention_efficiency",
+             f"must be in (0, 1] or null, got {p.attention_efficiency}")
+    _require(p.calibrate_steps >= 1, "plan.calibrate_steps", f"must be >= 1, got {p.calibrate_steps}")
+    _require(p.calibrate_warmup >= 2, "plan.calibrate_warmup",
+             f"must be >= 2 (the second step reaches the peak memory), got {p.calibrate_warmup}")
+    _require(p.calibrate_message_mb > 0, "plan.calibrate_message_mb", f"must be > 0, got {p.calibrate_message_mb}")
     _require(hw.device_type in ("cuda", "cpu"), "hardware.device_type", f"must be cuda or cpu, got {hw.device_type}")
     for key in ("memory_gb", "devices_per_node", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
                 "memory_bandwidth_gbps", "peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32"):

@@ -65,8 +65,8 @@ class Collective:
                   ALL_TO_ALL: (n - 1) / n}[self.op]
         hops = {ALL_REDUCE: 2 * (n - 1), ALL_GATHER: n - 1, REDUCE_SCATTER: n - 1, P2P: 1, ALL_TO_ALL: n - 1}[self.op]
         self.sent_bytes = factor * self.payload_bytes
-        self.time_s = (self.sent_bytes / hardware.group_bandwidth(self.spans_nodes)
-                       + self.count * hops * hardware.group_latency(self.spans_nodes))
+        self.time_s = (self.sent_bytes / hardware.group_bandwidth(self.spans_nodes, self.op)
+                       + self.count * hops * hardware.group_latency(self.spans_nodes, self.op))
         return self
 
 

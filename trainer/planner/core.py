@@ -182,6 +182,7 @@ def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: H
                  "recompute_flops_per_step": t.recompute_flops_per_step},
         "bytes_per_param": asdict(bytes_per_param(layout)),
         "matmul_efficiency": options.matmul_efficiency,
+        "attention_efficiency": options.attention_efficiency or options.matmul_efficiency,
         "headroom": options.headroom,
     }
     return Plan(

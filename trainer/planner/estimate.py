@@ -30,13 +30,16 @@ class PlanOptions:
     headroom: float = 0.1
     matmul_efficiency: float = 0.6
     rank: Optional[int] = None
+    attention_efficiency: Optional[float] = None  # None: matmul_efficiency
 
     @staticmethod
     def of(cfg: DictConfig) -> PlanOptions:
         node = cfg.get("plan", None)
         if node is None:
             return PlanOptions()
+        attention = node.get("attention_efficiency", None)
         return PlanOptions(headroom=float(node.headroom), matmul_efficiency=float(node.matmul_efficiency),
+                           attention_efficiency=None if attention is None else float(attention),
                            rank=node.rank)
 
 
@@ -119,7 +122,8 @@ def estimate_rank(inv: ModelInventory, layout: Layout, hardware: HardwareConfig,
     device = {**device_state, "activations": acts.device, "temporaries": device_temporaries}
     device["total"] = sum(device.values())
     collectives = step_collectives(inv, layout, coords, hardware)
-    timing = estimate_time(inv, layout, coords, hardware, collectives, options.matmul_efficiency)
+    timing = estimate_time(inv, layout, coords, hardware, collectives, options.matmul_efficiency,
+                           options.attention_efficiency)
     return RankEstimate(rank=coords.rank(layout), coords=coords, state=state, activations=acts, temporaries=fb,
                         step_temporaries=step, device=device, host=host, collectives=collectives, timing=timing)
 

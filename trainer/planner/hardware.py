@@ -8,7 +8,7 @@ allocator's own needs take before any tensor exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,41 +24,54 @@ class HardwareConfig:
     # cuda or cpu: on cpu, offloading has nothing to move (memory is host memory already).
     device_type: str = "cpu"
     # Dense peak FLOP/s of one device per compute dtype (data sheet; for the CPU a measured matmul peak).
-    peak_flops_bf16: float = 6.25e9
-    peak_flops_fp16: float = 6.25e9
-    peak_flops_fp32: float = 2.5e10
+    # The defaults are conf/hardware/cpu.yaml's: one of 8 processes on the 2-core development VM, measured
+    # by `mode=plan plan.calibrate=true`.
+    peak_flops_bf16: float = 4.2e10
+    peak_flops_fp16: float = 4.3e8
+    peak_flops_fp32: float = 2.1e10
     # Memory of one device in GB (1e9 bytes), as the driver reports it.
     memory_gb: float = 3.0
     # Taken before any tensor exists: CUDA context, NCCL buffers, allocator bookkeeping.
     reserved_gb: float = 0.3
     # Memory bandwidth of one device in GB/s (an optimizer step is memory-bound).
-    memory_bandwidth_gbps: float = 2.5
+    memory_bandwidth_gbps: float = 6.5
     # Devices per node (processes per node on the CPU).
     devices_per_node: int = 8
     # Bandwidth per device in GB/s, one direction: inside a node (NVLink/NVSwitch, PCIe) and across nodes
     # (each device's share of the network: InfiniBand/RoCE NICs).
-    intra_node_bandwidth_gbps: float = 5.0
+    intra_node_bandwidth_gbps: float = 0.24
     inter_node_bandwidth_gbps: float = 1.25
     # Latency of one message hop in microseconds, inside and across nodes.
-    intra_node_latency_us: float = 30.0
+    intra_node_latency_us: float = 2250.0
     inter_node_latency_us: float = 100.0
     # Host (CPU) memory of one node in GB and the host-device link per device in GB/s (offload traffic).
     host_memory_gb: float = 24.0
     host_to_device_bandwidth_gbps: float = 10.0
     # Host memory bandwidth of one node in GB/s (an offloaded optimizer step is memory-bound on it).
     host_memory_bandwidth_gbps: float = 20.0
+    # Inside a node, per collective (all-reduce, all-gather, reduce-scatter, point-to-point), where one runs
+    # at other figures than the link's: bytes per second one device sends (GB/s) and latency per ring hop
+    # (us). Measured by `mode=plan plan.calibrate=true` (gloo on a CPU: all-gather and reduce-scatter
+    # move their bytes at a third to a half of all-reduce's rate); an op not listed uses the link's figure.
+    intra_node_op_bandwidth_gbps: dict[str, float] = field(default_factory=dict)
+    intra_node_op_latency_us: dict[str, float] = field(default_factory=dict)
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s of one device for matmuls in `dtype`."""
         name = DTYPE_NAMES.get(dtype, "fp32")
         return float(getattr(self, f"peak_flops_{name}"))
 
-    def group_bandwidth(self, spans_nodes: bool) -> float:
-        """Bytes per second one device sends in a collective of a group inside one node or across nodes."""
-        return 1e9 * (self.inter_node_bandwidth_gbps if spans_nodes else self.intra_node_bandwidth_gbps)
+    def group_bandwidth(self, spans_nodes: bool, op: str = "") -> float:
+        """Bytes per second one device sends in a collective `op` of a group inside one node or across nodes."""
+        if spans_nodes:
+            return 1e9 * self.inter_node_bandwidth_gbps
+        return 1e9 * self.intra_node_op_bandwidth_gbps.get(op, self.intra_node_bandwidth_gbps)
 
-    def group_latency(self, spans_nodes: bool) -> float:
-        return 1e-6 * (self.inter_node_latency_us if spans_nodes else self.intra_node_latency_us)
+    def group_latency(self, spans_nodes: bool, op: str = "") -> float:
+        """Seconds per ring hop of a collective `op` inside one node or across nodes."""
+        if spans_nodes:
+            return 1e-6 * self.inter_node_latency_us
+        return 1e-6 * self.intra_node_op_latency_us.get(op, self.intra_node_latency_us)
 
 
 # The `hardware` group has one schema, registered in Hydra's ConfigStore as `hardware_schema` by

@@ -52,6 +52,8 @@ class Layout:
     offload_optimizer: bool = False
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    # Attention masked per document (data.document_masking): an explicit mask, so no causal block skipping.
+    document_masking: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
     layers_per_stage: Optional[tuple[int, ...]] = None
@@ -157,6 +159,7 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     return Layout(
         world_size=world_size(cfg), strategy=str(cfg.strategy.get("name", None) or strategy.name), **topology,
         cp_method=str(cfg.cp_method), ep=int(cfg.get("ep", 1)),
+        document_masking=bool(cfg.data.get("document_masking", False)),
         checkpointing=str(checkpointing.name), checkpoint_every_n=checkpointing.checkpoint_every_n,
         micro_batch_size=int(t.micro_batch_size), global_batch_size=int(t.global_batch_size), seq_len=int(t.seq_len),
         precision=str(precision.name),

@@ -109,7 +109,8 @@ def format_table(result: Plan) -> str:
     lines.append(f"estimated step time {result.step_time_s:.3f} s = compute {time['compute_s']:.3f} + bubble "
                  f"{time['bubble_s']:.3f} + exposed communication {time['exposed_communication_s']:.3f} + optimizer "
                  f"{time['optimizer_s']:.3f} + offload {time['offload_s']:.3f} (matmuls at "
-                 f"{result.details['matmul_efficiency']:.0%} of peak)")
+                 f"{result.details['matmul_efficiency']:.0%} of peak, attention core at "
+                 f"{result.details['attention_efficiency']:.0%})")
     lines.append(f"estimated {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}")
     for warning in result.warnings:
         lines.append(f"warning: {warning}")

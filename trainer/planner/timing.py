@@ -12,7 +12,10 @@ core's forward again).
 
 Step time = per-rank compute / (peak x `plan.matmul_efficiency`), stretched by the pipeline bubble, plus
 the communication that cannot hide behind compute, plus the optimizer step (memory-bound) and offload
-traffic:
+traffic. Compute counts hardware FLOPs: the weights' matmuls (model FLOPs plus recomputation) at
+`plan.matmul_efficiency`, and the attention core apart, at `plan.attention_efficiency`, less the half of
+it a causal fused kernel skips (`causal_block_skipping`). `mode=plan plan.calibrate=true` measures both
+efficiencies at the configuration's own sizes (`matmul_shapes`, `attention_shape`) instead of assuming them:
 - bubble: (P - 1) / (M + P - 1) for gpipe and 1F1B, (P - 1) / (v M + P - 1) for interleaved 1F1B; the
   zero-bubble schedule is counted at a third of interleaved 1F1B's bubble (Qi et al. 2024's ZB-H1 figure;
   an estimate: its real bubble depends on the backward split);
@@ -31,6 +34,59 @@ from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import Layout
 from trainer.planner.memory import RankCoords, rank_numel
 from trainer.planner.params import ModelInventory
+
+
+def causal_block_skipping(inv: ModelInventory, layout: Layout, device_type: str) -> bool:
+    """Whether attention runs in a fused causal kernel that skips the key blocks above the diagonal
+    (FlashAttention on a GPU, torch's flash kernel on a CPU, SDPA with is_causal): then it does about half
+    the attention-core FLOPs the model-FLOPs convention counts. Not with materialized scores, an explicit
+    per-document mask, or (CPU) dropout, which takes SDPA's math path."""
+    if inv.attn_impl == "materialized" or layout.document_masking:
+        return False
+    return not (inv.dropout > 0 and device_type == "cpu")
+
+
+def matmul_shapes(inv: ModelInventory, layout: Layout, coords: RankCoords) -> list[tuple[int, int, int, int]]:
+    """The forward matmuls of one micro-batch on one rank, as (m, k, n, count): tokens x input width x output
+    width, after the tensor-parallel split (what `mode=plan plan.calibrate=true` times, with their two
+    backward products, to measure `plan.matmul_efficiency` at the configuration's own sizes). A routed
+    expert sees top_k / n_experts of the tokens (uniform routing)."""
+    from trainer.planner.memory import rank_part
+
+    tokens = layout.micro_batch_size * layout.local_seq_len
+    part = rank_part(inv, layout, coords.pp)
+    shapes: dict[tuple[int, int, int], int] = {}
+
+    def add(shape: tuple[int, ...], expert: bool, copies: int) -> None:
+        if expert:  # [experts, out, in]: this rank's experts, each on its share of the tokens
+            experts, out, width = shape[0] // layout.ep, shape[-2], shape[-1]
+            key = (max(1, round(tokens * inv.top_k / max(inv.n_experts, 1))), width, out)
+            shapes[key] = shapes.get(key, 0) + copies * experts
+        else:
+            key = (tokens, shape[-1], shape[0])
+            shapes[key] = shapes.get(key, 0) + copies
+
+    for spec in inv.layer:
+        if spec.matmul:
+            add(spec.local_shape(layout.tp), spec.expert, part.layers)
+    if part.last:
+        for spec in inv.head:
+            if spec.matmul:
+                add(spec.local_shape(layout.tp), False, 1)
+        if inv.tied:  # the head multiplies with the embedding's weight (vocab rows split under tp)
+            add((inv.vocab_size // layout.tp, inv.dim), False, 1)
+    return [(m, k, n, count) for (m, k, n), count in shapes.items()]
+
+
+def attention_shape(inv: ModelInventory, layout: Layout) -> tuple[int, int, int, int, int]:
+    """One rank's attention core per micro-batch and layer as (batch, query heads, kv heads, tokens, head
+    dim): the heads split over tp (and over cp under all_to_all, which attends over the whole sequence),
+    the tokens over cp under the ring (`mode=plan plan.calibrate=true` times SDPA at this shape)."""
+    heads, kv_heads = inv.n_heads // layout.tp, max(1, inv.n_kv_heads // layout.tp)
+    if layout.cp > 1 and layout.cp_method == "all_to_all":
+        return (layout.micro_batch_size, max(1, heads // layout.cp), max(1, kv_heads // layout.cp),
+                layout.seq_len, inv.head_dim)
+    return layout.micro_batch_size, heads, kv_heads, layout.local_seq_len, inv.head_dim
 
 
 def recomputed_layers(inv: ModelInventory, layout: Layout) -> int:
@@ -75,7 +131,8 @@ class Timing:
 
 
 def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardware: HardwareConfig,
-                  collectives: list[Collective], matmul_efficiency: float) -> Timing:
+                  collectives: list[Collective], matmul_efficiency: float,
+                  attention_efficiency: float | None = None) -> Timing:
     tokens = layout.global_batch_size * layout.seq_len
     per_token = inv.flops_per_token(layout.seq_len)
     model_flops = per_token * tokens
@@ -83,8 +140,16 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     if layout.checkpointing == "attention":
         extra_per_token = inv.n_layers * inv.attention_core_forward_flops_per_token(layout.seq_len)
     recompute_flops = extra_per_token * tokens
+    # The attention core runs in its own kernel, at its own efficiency, on hardware FLOPs: the model FLOPs
+    # count it unmasked (Narayanan's convention, kept for MFU), a causal kernel skips about half of it
+    # (forward, backward and a recomputed forward alike).
+    core_forward = inv.attention_core_forward_flops_per_token(layout.seq_len)
+    recomputed_cores = inv.n_layers if layout.checkpointing == "attention" else recomputed_layers(inv, layout)
+    attention_flops = (3 * inv.n_layers + recomputed_cores) * core_forward * tokens
+    attention_hw = attention_flops * (0.5 if causal_block_skipping(inv, layout, hardware.device_type) else 1.0)
     peak = hardware.peak_flops(layout.compute_dtype)
-    compute = (model_flops + recompute_flops) / layout.world_size / (peak * matmul_efficiency)
+    compute = ((model_flops + recompute_flops - attention_flops) / (peak * matmul_efficiency)
+               + attention_hw / (peak * (attention_efficiency or matmul_efficiency))) / layout.world_size
     bubble = bubble_fraction(layout)
     bubble_s = compute * bubble / (1 - bubble) if bubble < 1 else 0.0
     m = layout.num_microbatches
