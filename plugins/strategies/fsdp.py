@@ -118,7 +118,8 @@ class FSDPOptions:
     def planner_fields(self) -> dict[str, Any]:
         """The sharding's fields of the planner's `Layout`."""
         return {"dp_flavour": self.dp_flavour, "reshard_after_forward": self.reshard_after_forward,
-                "prefetch_blocks": self.prefetch_blocks, "offload": self.offload,
+                "prefetch_blocks": self.prefetch_blocks, "offload": self.offload, "grad_sync": self.grad_sync,
+                "reshard_after_backward": self.reshard_after_backward,
                 "offload_optimizer": self.optimizer_host is not None}
 
     def offload_policy(self, device: torch.device, is_global_zero: bool) -> OffloadPolicy:

@@ -11,9 +11,9 @@ What each strategy of this trainer communicates (M micro-batches per step):
 - zero2: one reduce-scatter of the accumulated gradients per step (in buckets), then the all-gather of
   the updated rows: the bytes of one all-reduce in all;
 - shard_grad_op / zero3 (FSDP2): per micro-batch, parameters all-gathered once (shard_grad_op) or twice,
-  forward and backward (zero3), and gradients reduce-scattered (FSDP2 reduces every backward: the strategy
-  does not defer the reduction to the last micro-batch); hybrid sharding adds an all-reduce of the shards
-  across replicas;
+  forward and backward (zero3), and gradients reduce-scattered; with grad_sync=step, or under a pipeline
+  schedule, the reduce-scatter runs once per step, and with reshard_after_backward=false the forwards after
+  the first one gather nothing; hybrid sharding adds an all-reduce of the shards across replicas;
 - tp (Megatron layout, per layer and micro-batch): two all-reduces in the forward and two in the
   backward of an activation (s x b x h), or with sequence parallelism the same bytes as all-gathers and
   reduce-scatters; recomputed blocks communicate their forward again;
@@ -111,14 +111,20 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
     elif layout.fsdp:
         units = part.layers + 1  # one fully_shard unit per block, plus the root
         span = _spans(layout, ("dp_shard", "cp"), gpn)
-        gathers = 2 if layout.reshard_after_forward else 1
+        # gathers per unit and step: forward and (zero3) backward of every micro-batch, less the forwards
+        # that find the parameters still gathered from the previous micro-batch's backward
+        gathers = (2 if layout.reshard_after_forward else 1) * m
+        if not layout.reshard_after_backward and layout.pp == 1:
+            gathers -= m - 1
+        reductions = 1 if layout.grad_sync == "step" or layout.pp > 1 else m
         shards = layout.shard_group  # dp_shard x cp
-        out.append(Collective("dp", ALL_GATHER, gathers * units * m, shards,
-                              gathers * m * full * layout.unsharded_param_bytes, span))
-        out.append(Collective("dp", REDUCE_SCATTER, units * m, shards, m * full * layout.reduce_bytes, span))
+        out.append(Collective("dp", ALL_GATHER, gathers * units, shards,
+                              gathers * full * layout.unsharded_param_bytes, span))
+        out.append(Collective("dp", REDUCE_SCATTER, units * reductions, shards,
+                              reductions * full * layout.reduce_bytes, span))
         if layout.dp_replicate > 1:
-            out.append(Collective("dp", ALL_REDUCE, units * m, layout.dp_replicate, m * shard * layout.reduce_bytes,
-                                  spans_nodes(layout, "dp_replicate", gpn)))
+            out.append(Collective("dp", ALL_REDUCE, units * reductions, layout.dp_replicate,
+                                  reductions * shard * layout.reduce_bytes, spans_nodes(layout, "dp_replicate", gpn)))
     if layout.cp > 1:
         out += context_parallel_collectives(inv, layout, coords, gpn)
     if layout.ep > 1 and inv.n_experts:

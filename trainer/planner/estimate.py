@@ -73,14 +73,18 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
         # (a rank holds 1/ep of each MoE layer's experts, whole under tp: tp splits only weights with a tp_dim)
         layer_numel = sum(math.prod(p.local_shape(layout.tp)) / (layout.ep if p.expert else 1) for p in inv.layer)
         root = full - part.layers * layer_numel
-        if layout.reshard_after_forward:
+        accumulating = layout.num_microbatches > 1
+        if layout.reshard_after_forward and not (accumulating and (not layout.reshard_after_backward or layout.pp > 1)):
             gathered = (1 + layout.prefetch_blocks) * layer_numel + root
-        else:  # shard_grad_op keeps every gathered block through the backward
+        else:  # shard_grad_op, or blocks kept gathered from one micro-batch's backward to the next forward
             gathered = full
         fb["gathered parameters"] = gathered * layout.unsharded_param_bytes
         # a block's gradients are computed unsharded (compute dtype), then cast for the reduce-scatter
         grads = layer_numel if part.layers else root
         fb["unsharded gradients of a block"] = grads * (layout.unsharded_param_bytes + layout.reduce_bytes)
+        if accumulating and (layout.grad_sync == "step" or layout.pp > 1):
+            # the reduction waits for the last micro-batch: every unit's gradient accumulates unsharded
+            fb["unsharded gradients accumulated over micro-batches"] = (full - grads) * layout.reduce_bytes
     elif layout.strategy == "3d" and layout.replica_group > 1:
         # torch's `replicate` (3d's ddp/zero1 flavours) gathers each block's compute copy (FSDP2's machinery,
         # a world of one shard) and keeps it from the forward to the end of the backward

@@ -46,6 +46,11 @@ class Layout:
     # FSDP: free the gathered parameters after each block's forward (zero3) or keep them (shard_grad_op).
     reshard_after_forward: bool = True
     prefetch_blocks: int = 1
+    # FSDP under accumulation: reduce-scatter per micro-batch ("microbatch") or once per step ("step", the
+    # gradient accumulated unsharded), and whether gathered parameters are freed between micro-batches. A
+    # pipeline schedule does both its own way: one reduction per step, parameters kept gathered.
+    grad_sync: str = "microbatch"
+    reshard_after_backward: bool = True
     # Sharded states (params, grads, optimizer) kept in host memory (FSDP CPUOffloadPolicy).
     offload: bool = False
     # Only the optimizer states (and fp32 masters) in host memory, stepped there (ZeRO-Offload).
