@@ -21,7 +21,8 @@ whole on every rank). Its LR schedule is the same multiplier in a `LambdaLR`, st
 
 Each measurement is one FRESH `torchrun --nproc-per-node 2` launch running one engine for one stage,
 so that memory figures of one engine do not leak into the other's (a process's peak resident set is
-monotone). Launches alternate ours / DeepSpeed for every stage, `--repeats` times, so that drifts in
+monotone). Launches alternate ours / DeepSpeed for every stage, `--repeats` times, in ABBA order (ours
+first in even repeats, DeepSpeed first in odd ones; an even `--repeats` balances it), so that drifts in
 machine speed hit both alike; a first short launch measures the matmul peak of one process (for MFU)
 with both ranks busy, as in training.
 
@@ -531,7 +532,9 @@ def main() -> None:
     errors: dict[tuple[int, str], str] = {}
     for repeat in range(args.repeats):  # alternate sides (and stages), so drifts hit all alike
         for stage in stages:
-            for side in sides:
+            # ABBA: ours first in even repeats, DeepSpeed first in odd ones, so neither side always
+            # follows the other's launch
+            for side in (sides if repeat % 2 == 0 else sides[::-1]):
                 if (side == "deepspeed" and ds_version is None) or (stage, side) in errors:
                     continue
                 extra = ["--side", side, "--stage", str(stage), "--peak-flops", repr(peak_per_rank[0]),

@@ -176,7 +176,7 @@ def test_adamw_from_yaml_has_configured_hyperparameters() -> None:
         assert group["lr"] == pytest.approx(3.0e-3)
         assert tuple(group["betas"]) == pytest.approx((0.9, 0.95))
         assert group["eps"] == pytest.approx(1.0e-8)
-        assert group["fused"] is None
+        assert group["fused"] is True  # fused: null -> torch's fused kernel, which runs on CPU tensors
         assert group["foreach"] is None
     assert [(g["name"], g["weight_decay"]) for g in optimizer.param_groups] == [
         ("decay", pytest.approx(0.1)),
@@ -247,3 +247,27 @@ def test_optimizer_from_plain_config_without_weight_decay() -> None:
 def test_schema_rejects_unknown_option() -> None:
     with pytest.raises(Exception, match="betaz"):
         load_config("adamw", {"betaz": [0.9, 0.99]})
+
+
+def test_fused_kernel_only_where_it_runs_and_not_against_the_users_choice() -> None:
+    """fused: null picks the fused AdamW for plain CPU tensors and DTensor-free models; meta tensors (the
+    planner's exact mode) and an explicit foreach or fused=false keep torch's own implementations."""
+    def fused(overrides: dict, model: nn.Module) -> object:
+        return optimizer_from_config(load_config("adamw", overrides), [model]).param_groups[0]["fused"]
+
+    assert fused({}, TinyLM()) is True
+    assert fused({}, TinyLM().to("meta")) is None
+    assert fused({"foreach": True}, TinyLM()) is None
+    assert fused({"fused": False}, TinyLM()) is False
+    # the fused step is the same AdamW: equal to torch's per-tensor loop within rounding
+    models = [TinyLM(), TinyLM()]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [optimizer_from_config(load_config("adamw", {}), [models[0]]),
+                  optimizer_from_config(load_config("adamw", {"fused": False}), [models[1]])]
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p) * 0.1 + p.detach()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -109,10 +109,10 @@ ELSEWHERE = {
     "python -m trainer strategy=ddp trainer.devices=2 mode=plan plan.calibrate=true":
         ("tests/test_calibrate.py::test_two_process_calibration_through_the_cli",
          ['"strategy=ddp", "trainer.devices=2", "mode=plan"', '"plan.calibrate=true"']),
-    # 2 processes: the 2-process launch of tests/test_strategies.py runs it against the per-micro-batch zero3
-    "python -m trainer strategy=zero3 strategy.grad_sync=step strategy.reshard_after_backward=false ...":
-        ("tests/test_strategies.py::test_zero3_reduces_once_per_step_when_asked",
-         ['"strategy.grad_sync=step"', '"strategy.reshard_after_backward=false"']),
+    # 2 processes: the 2-process launch of tests/test_strategies.py runs it against zero3 once per step
+    "python -m trainer strategy=zero3 strategy.grad_sync=microbatch ...":
+        ("tests/test_strategies.py::test_zero3_reduces_once_per_step_when_it_fits_or_when_asked",
+         ['"strategy.grad_sync=microbatch"']),
     # no SLURM here: the README's local twin, submitit's local executor, each job in its own process
     "python -m trainer -m hydra/launcher=slurm ...":
         ("tests/test_sweep.py::test_optuna_sweeper_on_the_submitit_local_launcher", ['"hydra/launcher=local"']),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from trainer.config import compose
 from trainer.run import build_trainer
@@ -28,7 +29,8 @@ LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps
 # (name, strategy overrides, processes); micro-batch = 16 / (2 x dp) gives accumulation 2 everywhere
 STRATEGIES = {
     2: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "zero3_offload", "zero1_offload",
-        "zero2_offload", "zero3_optimizer_offload", "ddp_fp16", "ddp_powersgd", "zero3_reduce_per_step"],
+        "zero2_offload", "zero3_optimizer_offload", "ddp_fp16", "ddp_powersgd", "zero3_reduce_per_step",
+        "zero3_reduce_per_microbatch", "zero1_small_buckets"],
     4: ["ddp", "zero1", "zero2", "zero3", "fsdp_full", "fsdp_grad_op", "fsdp_hybrid"],
 }
 STRATEGY_OVERRIDES = {
@@ -43,10 +45,14 @@ STRATEGY_OVERRIDES = {
     "zero3_offload": ["strategy=zero3", "strategy.offload_params=true", "strategy.offload_optimizer=true"],
     # ZeRO-Offload: the optimizer steps host copies of this rank's partition (on CPU, the same memory)
     "zero1_offload": ["strategy=zero1", "strategy.offload_optimizer=true"],
+    # the all-gather after the step in buckets of 10 KB: one per few tensors instead of one for the model
+    "zero1_small_buckets": ["strategy=zero1", "strategy.bucket_cap_mb=0.01"],
     "zero2_offload": ["strategy=zero2", "strategy.offload_optimizer=true"],
     "zero3_optimizer_offload": ["strategy=zero3", "strategy.offload_optimizer=true"],
-    # accumulation: one reduce-scatter per step, parameters kept gathered between the micro-batches
+    # accumulation: one reduce-scatter per step, parameters kept gathered between the micro-batches (what
+    # grad_sync=auto, the default, chooses here: it fits), or a reduce-scatter after every micro-batch
     "zero3_reduce_per_step": ["strategy=zero3", "strategy.grad_sync=step", "strategy.reshard_after_backward=false"],
+    "zero3_reduce_per_microbatch": ["strategy=zero3", "strategy.grad_sync=microbatch"],
     # gradient compression changes the gradients, so these are checked for training, not parity
     "ddp_fp16": ["strategy=ddp", "strategy.comm_hook=fp16"],
     "ddp_powersgd": ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_start_iter=2"],
@@ -109,18 +115,23 @@ def test_losses_and_weights_match_single_process(runs: Path, nproc: int, name: s
 
 
 @pytest.mark.slow
-def test_zero3_reduces_once_per_step_when_asked(runs: Path) -> None:
-    """zero3 reduce-scatters every FSDP unit's gradients after each of the 2 micro-batches of a step;
-    grad_sync=step once per step (the same losses and weights: the parity test above), and with
-    reshard_after_backward=false the second micro-batch's forward gathers nothing again. (gloo records a
-    reduce-scatter as an all-reduce of the whole input.)"""
-    every = json.loads((runs / "np2" / "zero3" / "summary.json").read_text())
+def test_zero3_reduces_once_per_step_when_it_fits_or_when_asked(runs: Path) -> None:
+    """zero3 with grad_sync=microbatch reduce-scatters every FSDP unit's gradients after each of the 2
+    micro-batches of a step; grad_sync=step once per step (the same losses and weights: the parity test
+    above), and with reshard_after_backward=false the second micro-batch's forward gathers nothing again.
+    The default, grad_sync=auto, chose the latter here (the whole tiny model fits) and wrote it into the
+    run's config. (gloo records a reduce-scatter as an all-reduce of the whole input.)"""
+    every = json.loads((runs / "np2" / "zero3_reduce_per_microbatch" / "summary.json").read_text())
     once = json.loads((runs / "np2" / "zero3_reduce_per_step" / "summary.json").read_text())
+    auto = json.loads((runs / "np2" / "zero3" / "summary.json").read_text())
     units, steps = every["fsdp_units"], 20
     assert units == once["fsdp_units"] == 3  # 2 blocks and the root
     assert every["collective_calls"]["all_reduce@dp_shard"] == units * 2 * steps
     assert once["collective_calls"]["all_reduce@dp_shard"] == units * steps
     assert once["collective_calls"]["all_gather@dp_shard"] < every["collective_calls"]["all_gather@dp_shard"]
+    assert auto["collective_calls"] == once["collective_calls"]
+    recorded = yaml.safe_load((runs / "np2" / "zero3" / "config.yaml").read_text())["strategy"]
+    assert (recorded["grad_sync"], recorded["reshard_after_backward"]) == ("step", False)
 
 
 def held(runs: Path, name: str, kind: str) -> list[int]:
@@ -239,3 +250,22 @@ def test_optimizer_offload_steps_host_copies_and_changes_no_loss(strategy: str, 
     assert where and all(device == "cpu" and storage not in params for device, storage in where)
     # without offload the optimizer steps views of the parameters themselves
     assert any(storage in plain_params for _, storage in plain_where)
+
+
+@pytest.mark.parametrize("rows", [8, 7, 5, 1])
+def test_updated_rows_are_written_back_in_rank_order(rows: int) -> None:
+    """ZeRO-1/2's all-gather hands every rank each rank's Shard(0) chunk padded to the full chunk size;
+    writing them back gives the whole parameter, also when the rows do not divide evenly (padding)."""
+    from trainer.parallel_dims import shard_rows
+    from trainer.plugins.strategies.ddp import _chunk_numel, _write_chunks
+
+    world = 4
+    whole = torch.randn(rows, 3)
+    size = _chunk_numel(whole, world)
+    chunks = torch.full((world, size), float("nan"))  # padding that must never be read
+    for rank in range(world):
+        mine = shard_rows(whole, rank, world).reshape(-1)
+        chunks[rank, :mine.numel()] = mine
+    target = torch.zeros(rows, 3)
+    _write_chunks(target, chunks)
+    assert torch.equal(target, whole)

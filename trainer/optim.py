@@ -53,9 +53,12 @@ class AdamWConfig:
     eps: float = 1.0e-8
     # Decoupled weight decay, applied only to the "decay" parameter group.
     weight_decay: float = 0.1
-    # Fused kernel (null: let torch choose).
+    # Fused kernel. null: fused wherever torch has the kernel for every tensor the optimizer steps (plain
+    # floating tensors or DTensor shards on CPU or CUDA; torchtitan's default too), else torch's choice; on
+    # CPU torch would otherwise step tensor by tensor: 4.7x slower on ZeRO-1's row views of the tiny model
+    # (benchmarks/optimizer_step.py, docs/BENCHMARKS.md).
     fused: bool | None = None
-    # Multi-tensor implementation (null: let torch choose).
+    # Multi-tensor implementation (null: let torch choose). Setting it turns the automatic fused kernel off.
     foreach: bool | None = None
 
 
@@ -182,10 +185,46 @@ def build_optimizer(
     return optimizer_factory(groups)
 
 
+def _fused_kernel_runs_on(tensors: list[torch.Tensor]) -> bool:
+    """Whether torch's fused optimizer kernel takes every tensor in one call: plain floating tensors on a
+    device it supports, all plain or all DTensors of one mesh (the kernel is one operator: DTensor refuses
+    to mix them, as with tensor parallelism's replicated norms beside its shards, or expert parallelism's
+    second mesh). Tensor subclasses (float8's FSDP weights) and meta tensors (the planner's exact mode)
+    are left to torch's default implementation."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    meshes = {t.device_mesh if isinstance(t, DTensor) else None for t in tensors}
+    if len(meshes) > 1:
+        return False
+    devices = set(_get_fused_kernels_supported_devices())
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if type(local) not in (torch.Tensor, nn.Parameter) or not local.is_floating_point():
+            return False
+        if local.device.type not in devices:
+            return False
+    return True
+
+
+class _FusedWhenSupported(functools.partial):
+    """``optimizer_class(groups, **options)`` with ``fused=True`` when the kernel takes every tensor of
+    ``groups`` (the ``fused: null`` default); a ``functools.partial`` so that callers see its options."""
+
+    def __call__(self, groups: Any, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        groups = list(groups)
+        tensors = [p for group in groups for p in (group["params"] if isinstance(group, dict) else [group])]
+        if tensors and _fused_kernel_runs_on(tensors):
+            kwargs = {**kwargs, "fused": True}
+        return super().__call__(groups, *args, **kwargs)
+
+
 def optimizer_factory_from_config(cfg: DictConfig) -> tuple[functools.partial, float]:
     """The optimizer class bound to its options, and the weight decay of the "decay" group.
 
     ``weight_decay`` is popped from the config (0.0 if absent) so that it can be applied per group.
+    An optimizer with a ``fused`` option left null (and ``foreach`` not set) gets the fused kernel
+    wherever it runs (see ``AdamWConfig.fused``).
     """
     # A plain container: structured configs refuse pop() and would hand
     # ListConfig betas to torch.
@@ -195,7 +234,11 @@ def optimizer_factory_from_config(cfg: DictConfig) -> tuple[functools.partial, f
     options.pop("defaults", None)
     weight_decay = float(options.pop("weight_decay", 0.0))
     options["_partial_"] = True
-    return hydra.utils.instantiate(options), weight_decay
+    factory = hydra.utils.instantiate(options)
+    if "fused" in options and options["fused"] is None and options.get("foreach") is None:
+        keywords = {key: value for key, value in factory.keywords.items() if key != "fused"}
+        factory = _FusedWhenSupported(factory.func, *factory.args, **keywords)
+    return factory, weight_decay
 
 
 def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:

@@ -26,6 +26,8 @@ from trainer.launch import agree_on_run_dir
 from trainer.interfaces.strategy import Strategy
 from trainer.loop import Trainer
 from trainer.models import build_meta_model
+from trainer.planner.accumulation import AccumulationChoice, choose_grad_sync, this_machine
+from trainer.planner.core import hardware_from_config
 
 log = logging.getLogger("trainer")
 
@@ -68,6 +70,25 @@ def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
                          dp_rank=dp_rank, dp_size=dp_size)
 
 
+def settle_grad_sync(cfg: DictConfig, strategy: Strategy) -> None:
+    """`grad_sync=auto`: the strategy reduces once per step when the planner finds that it fits this
+    machine (trainer/planner/accumulation.py); the choice is logged and written into the run's config."""
+    found: list[AccumulationChoice] = []
+
+    def per_step_fits() -> bool:
+        machine = this_machine(hardware_from_config(cfg), strategy.device, int(cfg.trainer.devices))
+        found.append(choose_grad_sync(cfg, machine))
+        return found[0].grad_sync == "step"
+
+    chosen = strategy.resolve_grad_sync(per_step_fits)
+    if chosen is None:
+        return
+    cfg.strategy.grad_sync, cfg.strategy.reshard_after_backward = chosen
+    if strategy.is_global_zero:
+        agreed = "" if found[0].grad_sync == chosen[0] else " (another rank's memory decided)"
+        log.info(f"{strategy.label}: grad_sync=auto -> {chosen[0]}{agreed}: {found[0].reason}")
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     """Everything a run needs, in the order it needs it, handed to the loop."""
     validate(cfg)
@@ -84,6 +105,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
     strategy.connect_precision(instantiate(cfg.precision))
+    settle_grad_sync(cfg, strategy)
     seed_everything(t.seed, verbose=False)
 
     # Built on the meta device: nothing is allocated until the strategy has placed it.

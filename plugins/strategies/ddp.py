@@ -127,6 +127,22 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _write_chunks(data: torch.Tensor, chunks: torch.Tensor) -> None:
+    """Write the ranks' Shard(0) chunks of `data` back into it: `chunks` row r is rank r's chunk padded to
+    the full chunk size. The complete chunks go in one strided copy (no gathered intermediate)."""
+    size = chunks.shape[1]
+    if size == 0:
+        return
+    if not data.is_contiguous():
+        data.copy_(chunks.reshape(-1)[:data.numel()].view_as(data))
+        return
+    flat = data.view(-1)
+    complete = flat.numel() // size
+    flat[:complete * size].view(complete, size).copy_(chunks[:complete])
+    if flat.numel() > complete * size:
+        flat[complete * size:].copy_(chunks[complete, :flat.numel() - complete * size])
+
+
 class ShardedOptimizerStates:
     """ZeRO-1 optimizer states: partitioned evenly over the ranks of `mesh` (a strategy holds one).
 
@@ -139,9 +155,13 @@ class ShardedOptimizerStates:
     """
 
     def __init__(self, mesh: DeviceMesh, device: torch.device, expert_mesh: DeviceMesh | None = None,
-                 expert_params: Sequence[nn.Parameter] = ()) -> None:
+                 expert_params: Sequence[nn.Parameter] = (), bucket_cap_mb: float = 25.0) -> None:
         self._mesh = mesh
         self.device = device
+        # The all-gather after the step (and ZeRO-2's reduce-scatter) moves buckets of at most this many
+        # bytes (gathered size; a larger tensor is a bucket of its own), so the transient buffers stay
+        # bounded whatever the model's size, as DeepSpeed's allgather_bucket_size does.
+        self.bucket_bytes = int(bucket_cap_mb * 2**20)
         self._shards: list[tuple[nn.Parameter, DTensor]] = []
         # Expert parallelism: the experts a rank holds are its ep rank's, so their states are partitioned
         # over the ranks holding the same experts (edp), not over all of dp x cp.
@@ -197,34 +217,48 @@ class ShardedOptimizerStates:
             self._gather_updated_rows()
         return stepped
 
+    def _buckets(self, world: int, shards: Sequence[tuple[nn.Parameter, DTensor]]) -> list[list[tuple[nn.Parameter, DTensor]]]:
+        """`shards` in order, cut into buckets of at most `bucket_bytes` across all ranks' chunks."""
+        buckets: list[list[tuple[nn.Parameter, DTensor]]] = [[]]
+        size = 0
+        for param, view in shards:
+            data = _local(param.data)
+            nbytes = world * _chunk_numel(data, world) * data.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((param, view))
+            size += nbytes
+        return buckets
+
     @torch.no_grad()
     def _gather_updated_rows(self) -> None:
-        """Bring every rank the rows the others updated, in one all-gather for all parameters.
+        """Bring every rank the rows the others updated: one all-gather per bucket of parameters.
 
         Each rank contributes its chunk of every parameter padded to the full chunk size, so all ranks
-        send buffers of one length; ranks' chunks of a parameter are contiguous rows, so concatenating
-        them in rank order and dropping the tail padding gives the whole parameter.
+        send buffers of one length; ranks' chunks of a parameter are contiguous rows, so writing them in
+        rank order and dropping the tail padding gives the whole parameter.
         """
-        for mesh, shards in self._by_mesh():  # one all-gather per partition group (two under ep)
+        for mesh, shards in self._by_mesh():  # per partition group (two under ep)
             world = mesh.size()
-            locals_ = [_local(param.data) for param, _ in shards]
-            sizes = [_chunk_numel(data, world) for data in locals_]
-            buffer = torch.zeros(sum(sizes), dtype=locals_[0].dtype, device=self.device)
-            offset = 0
-            for (_, view), size in zip(shards, sizes):
-                rows = view.to_local().reshape(-1)
-                buffer[offset:offset + rows.numel()] = rows
-                offset += size
-            gathered = buffer.new_empty(world * buffer.numel())
-            if world > 1:
-                dist.all_gather_into_tensor(gathered, buffer, group=mesh.get_group())
-            else:
-                gathered.copy_(buffer)
-            gathered = gathered.view(world, -1)
-            offset = 0
-            for data, size in zip(locals_, sizes):
-                data.copy_(gathered[:, offset:offset + size].reshape(-1)[:data.numel()].view_as(data))
-                offset += size
+            for bucket in self._buckets(world, shards):
+                locals_ = [_local(param.data) for param, _ in bucket]
+                sizes = [_chunk_numel(data, world) for data in locals_]
+                buffer = torch.empty(sum(sizes), dtype=locals_[0].dtype, device=self.device)
+                offset = 0
+                for (_, view), size in zip(bucket, sizes):
+                    rows = view.to_local().reshape(-1)
+                    buffer[offset:offset + rows.numel()] = rows  # the padding after it is never read
+                    offset += size
+                gathered = buffer.new_empty(world, buffer.numel())
+                if world > 1:
+                    dist.all_gather_into_tensor(gathered.view(-1), buffer, group=mesh.get_group())
+                else:
+                    gathered[0].copy_(buffer)
+                offset = 0
+                for data, size in zip(locals_, sizes):
+                    _write_chunks(data, gathered[:, offset:offset + size])
+                    offset += size
 
 
 class ShardedGradients(ShardedOptimizerStates):
@@ -241,26 +275,12 @@ class ShardedGradients(ShardedOptimizerStates):
     def __init__(self, mesh: DeviceMesh, device: torch.device, bucket_cap_mb: float = 25.0,
                  reduce_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None,
                  expert_params: Sequence[nn.Parameter] = ()) -> None:
-        super().__init__(mesh, device, expert_mesh, expert_params)
-        self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        super().__init__(mesh, device, expert_mesh, expert_params, bucket_cap_mb)
         self.reduce_dtype = reduce_dtype
 
     def views(self) -> list[DTensor]:
         """The tensors holding this rank's gradient rows (what norms and unscaling look at)."""
         return [view for _, view in self._shards]
-
-    def _buckets(self, world: int, shards: Sequence[tuple[nn.Parameter, DTensor]]) -> list[list[tuple[nn.Parameter, DTensor]]]:
-        buckets: list[list[tuple[nn.Parameter, DTensor]]] = [[]]
-        size = 0
-        for param, view in shards:
-            data = _local(param.data)
-            nbytes = world * _chunk_numel(data, world) * data.element_size()
-            if buckets[-1] and size + nbytes > self.bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((param, view))
-            size += nbytes
-        return buckets
 
     @torch.no_grad()
     def reduce_scatter_gradients(self) -> None:
@@ -333,7 +353,8 @@ class ZeRO1(DDP):
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         self.sharded_states = ShardedOptimizerStates(self.dims.dp_cp_mesh(), self.device,  # type: ignore[arg-type]
-                                                     self.dims.edp_mesh(), self.expert_parameters(model_parts))
+                                                     self.dims.edp_mesh(), self.expert_parameters(model_parts),
+                                                     bucket_cap_mb=self.bucket_cap_mb)
         return self.sharded_states.build_optimizer(optimizer_cfg, model_parts)
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

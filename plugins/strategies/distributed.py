@@ -144,6 +144,12 @@ class DistributedStrategy(Strategy):
         if cp_mesh is not None:
             self.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp, cp_method)
 
+    def all_ranks_agree(self, flag: bool) -> bool:
+        """True when `flag` holds on every rank (one all-reduce): a choice every rank must make alike."""
+        tensor = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return bool(tensor.item())
+
     @property
     def dims(self) -> ParallelDims:
         assert self.parallel_dims is not None, "setup_environment() first"

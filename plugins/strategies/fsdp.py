@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Optional, Sequence, cast
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,7 @@ from trainer.plugins.strategies.distributed import DistributedStrategy
 
 log = logging.getLogger("trainer")
 SHARDING_MODES = ("full_shard", "shard_grad_op", "hybrid_shard")
-GRAD_SYNC_MODES = ("microbatch", "step")
+GRAD_SYNC_MODES = ("auto", "microbatch", "step")
 
 
 @dataclass
@@ -48,13 +48,16 @@ class FSDPOptions:
     # forward/backward stay on the device (ZeRO-Offload). Implied by offload_params.
     offload_optimizer: bool = False
     # Gradient accumulation: reduce-scatter after every micro-batch's backward ("microbatch": each rank
-    # holds only its gradient shard) or once per optimizer step ("step": the micro-batches' gradients
-    # accumulate unsharded, a whole gradient per rank, and one reduce-scatter sums them).
-    grad_sync: str = "microbatch"
+    # holds only its gradient shard), once per optimizer step ("step": the micro-batches' gradients
+    # accumulate unsharded, a whole gradient per rank, and one reduce-scatter sums them), or "auto": step
+    # when the planner finds that it fits the device, else microbatch (trainer/planner/accumulation.py),
+    # resolved by the run (`resolve_grad_sync`); until then it acts as microbatch.
+    grad_sync: str = "auto"
     # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true), or
     # keep them for the next micro-batch's forward (false: one all-gather fewer per block and micro-batch,
-    # the whole parameters held in between). The last micro-batch always frees them.
-    reshard_after_backward: bool = True
+    # the whole parameters held in between). The last micro-batch always frees them. None: false with
+    # grad_sync=step (the whole gradient is held anyway), true with microbatch; chosen with grad_sync=auto.
+    reshard_after_backward: Optional[bool] = None
     # With reshard_after_forward: free the last block's parameters after its forward too (false: keep
     # them, since the backward starts with that block and would gather them again at once).
     reshard_last_block: bool = False
@@ -68,6 +71,11 @@ class FSDPOptions:
             raise ValueError("hybrid_shard needs dp_replicate >= 2 (with 1 it is full_shard)")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {self.grad_sync!r}")
+        if self.grad_sync == "auto" and self.reshard_after_backward is not None:
+            raise ValueError("reshard_after_backward is chosen together with grad_sync=auto; set grad_sync=step "
+                             "or grad_sync=microbatch to set it yourself")
+        if self.grad_sync != "auto" and self.reshard_after_backward is None:
+            self.reshard_after_backward = self.grad_sync != "step"
         if self.reshard_after_forward is None:
             self.reshard_after_forward = self.sharding != "shard_grad_op"
         self._offload_noted = False
@@ -96,13 +104,29 @@ class FSDPOptions:
             return "hybrid_shard"
         return "zero3" if self.reshard_after_forward else "shard_grad_op"
 
+    def resolve_grad_sync(self, per_step_fits: Callable[[], bool],
+                          agree: Callable[[bool], bool]) -> Optional[tuple[str, bool]]:
+        """Settle `grad_sync=auto` (`Strategy.resolve_grad_sync`): once per step when `per_step_fits()` holds
+        on every rank (`agree`), else per micro-batch; reshard_after_backward follows. Returns the settings
+        chosen, None when they were set explicitly (or already settled)."""
+        if self.grad_sync != "auto":
+            return None
+        per_step = agree(per_step_fits())
+        self.grad_sync = "step" if per_step else "microbatch"
+        self.reshard_after_backward = not per_step
+        return self.grad_sync, self.reshard_after_backward
+
+    @property
+    def _reshards_after_backward(self) -> bool:
+        return self.reshard_after_backward is not False  # None: grad_sync=auto not resolved, microbatch's
+
     def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
         """FSDP2's gradient-sync and reshard controls for one micro-batch of an accumulating step (the
         controls torch.distributed.pipelining sets around its micro-batches)."""
-        if self.grad_sync == "microbatch" and self.reshard_after_backward:
+        sync = self.grad_sync != "step"  # an unresolved auto reduces per micro-batch
+        if sync and self._reshards_after_backward:
             return contextlib.nullcontext()
-        return accumulation_flags(model, last_microbatch, sync=self.grad_sync == "microbatch",
-                                   reshard=self.reshard_after_backward)
+        return accumulation_flags(model, last_microbatch, sync=sync, reshard=self._reshards_after_backward)
 
     @property
     def offload(self) -> bool:
@@ -119,7 +143,7 @@ class FSDPOptions:
         """The sharding's fields of the planner's `Layout`."""
         return {"dp_flavour": self.dp_flavour, "reshard_after_forward": self.reshard_after_forward,
                 "prefetch_blocks": self.prefetch_blocks, "offload": self.offload, "grad_sync": self.grad_sync,
-                "reshard_after_backward": self.reshard_after_backward,
+                "reshard_after_backward": self._reshards_after_backward,
                 "offload_optimizer": self.optimizer_host is not None}
 
     def offload_policy(self, device: torch.device, is_global_zero: bool) -> OffloadPolicy:
@@ -145,8 +169,9 @@ class FSDP(DistributedStrategy):
 
     def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
                  reshard_after_forward: Optional[bool] = None, offload_params: bool = False,
-                 offload_optimizer: bool = False, grad_sync: str = "microbatch", reshard_after_backward: bool = True,
-                 reshard_last_block: bool = False, init: str = "auto", name: Optional[str] = None) -> None:
+                 offload_optimizer: bool = False, grad_sync: str = "auto",
+                 reshard_after_backward: Optional[bool] = None, reshard_last_block: bool = False, init: str = "auto",
+                 name: Optional[str] = None) -> None:
         super().__init__(init=init, name=name)
         self.options = FSDPOptions(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
                                    reshard_after_forward=reshard_after_forward,
@@ -179,6 +204,9 @@ class FSDP(DistributedStrategy):
 
     def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
         return self.options.backward_sync(model, last_microbatch)
+
+    def resolve_grad_sync(self, per_step_fits: Callable[[], bool]) -> Optional[tuple[str, bool]]:
+        return self.options.resolve_grad_sync(per_step_fits, self.all_ranks_agree)
 
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
@@ -264,11 +292,14 @@ class FSDPConfig:
     # parameters and the forward/backward stay on the device (ZeRO-Offload). offload_params implies it.
     offload_optimizer: bool = False
     # Gradient accumulation: reduce-scatter after every micro-batch ("microbatch": only a gradient shard
-    # is ever held) or once per optimizer step ("step": a whole gradient accumulates on every rank).
-    grad_sync: str = "microbatch"
+    # is ever held), once per optimizer step ("step": a whole gradient accumulates on every rank), or
+    # "auto": step when the planner finds that the whole gradient and parameters fit this device's memory
+    # (less plan.headroom), else microbatch; the run logs its choice and writes it into config.yaml.
+    grad_sync: str = "auto"
     # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true) or keep
     # them for the next micro-batch's forward (false: fewer all-gathers, whole parameters held meanwhile).
-    reshard_after_backward: bool = True
+    # null: false with grad_sync=step, true with microbatch; chosen with grad_sync=auto (leave it null).
+    reshard_after_backward: Optional[bool] = None
     # With reshard_after_forward: free the last block's parameters after its forward too (false: kept for
     # the backward, which starts with that block).
     reshard_last_block: bool = False

@@ -89,7 +89,7 @@ class ThreeD(DistributedStrategy):
                  offload_params: bool = False, offload_optimizer: bool = False, schedule: str = "1f1b",
                  virtual_stages: int = 1, layers_per_stage: Optional[Sequence[int]] = None,
                  embedding_weight: float = 1.0, head_weight: float = 1.0, sequence_parallel: bool = True,
-                 loss_parallel: bool = True, grad_sync: str = "microbatch", reshard_after_backward: bool = True,
+                 loss_parallel: bool = True, grad_sync: str = "auto", reshard_after_backward: Optional[bool] = None,
                  init: str = "auto", name: Optional[str] = None) -> None:
         super().__init__(init=init, name=name)
         self.pipeline_options = PipelineOptions(schedule=schedule, virtual_stages=virtual_stages,
@@ -254,6 +254,11 @@ class ThreeD(DistributedStrategy):
             return accumulation_flags(model, last_microbatch, sync=False, reshard=True)
         return self.fsdp_options.backward_sync(model, last_microbatch)
 
+    def resolve_grad_sync(self, per_step_fits: Callable[[], bool]) -> Optional[tuple[str, bool]]:
+        if self.replicating:  # they reduce once per step anyway (`backward_sync`)
+            return None
+        return self.fsdp_options.resolve_grad_sync(per_step_fits, self.all_ranks_agree)
+
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
         self.scale_expert_gradients(model_parts)  # their units averaged over edp only
@@ -307,11 +312,11 @@ class ThreeDConfig:
     offload_params: bool = False
     # zero1 and the sharded flavours: only the optimizer's partition (and fp32 masters) in host memory.
     offload_optimizer: bool = False
-    # FSDP flavours without a pipeline, under gradient accumulation: reduce-scatter per micro-batch or once
-    # per step, and free or keep the gathered parameters between micro-batches (see strategy=fsdp). Under a
-    # pipeline the schedule reduces once per step and keeps them gathered.
-    grad_sync: str = "microbatch"
-    reshard_after_backward: bool = True
+    # FSDP flavours without a pipeline, under gradient accumulation: reduce-scatter per micro-batch, once
+    # per step, or auto (step when it fits), and free or keep the gathered parameters between micro-batches
+    # (see strategy=fsdp). Under a pipeline the schedule reduces once per step and keeps them gathered.
+    grad_sync: str = "auto"
+    reshard_after_backward: Optional[bool] = None
     # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble), stages per rank, layer split.
     schedule: str = "1f1b"
     virtual_stages: int = 1

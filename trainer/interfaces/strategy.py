@@ -136,6 +136,13 @@ class Strategy:
         return {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": cp if self.uses_cp else 1,
                 "dp_flavour": "none"}
 
+    def resolve_grad_sync(self, per_step_fits: Callable[[], bool]) -> tuple[str, bool] | None:
+        """Settle `grad_sync=auto` (the FSDP2-sharded strategies): reduce gradients once per optimizer step
+        when `per_step_fits()` (the planner's answer for this device) holds on every rank, else per
+        micro-batch. Returns the (grad_sync, reshard_after_backward) chosen, None when there was no choice."""
+        del per_step_fits
+        return None
+
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
                           pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1) -> None:

@@ -121,7 +121,10 @@ def compare(cfg: DictConfig, record: dict[str, Any]) -> dict[str, Any]:
     devices_per_node = int(cfg.trainer.devices)
     hardware = calibrated_hardware(hardware_from_config(cfg), record, devices_per_node)
     matmul, attention = efficiencies(record, hardware)
-    predicted_plan = plan(with_hardware(cfg, hardware, matmul, attention), exact=False, search=False)
+    planned = with_hardware(cfg, hardware, matmul, attention)
+    if "grad_sync" in record:  # planned as the run settled it (grad_sync=auto decides on the machine's memory)
+        planned.strategy.grad_sync, planned.strategy.reshard_after_backward = record["grad_sync"]
+    predicted_plan = plan(planned, exact=False, search=False)
     measured_step = step_time(record)
     ranks = record["ranks"]
     phases = {key: statistics.median(max(step[key] for step in steps)

@@ -207,6 +207,8 @@ def calibration_worker(cfg: DictConfig, run_dir: Path) -> None:
         record = {"warmup_steps": warmup, "steps": steps, "tokens_per_step": trainer.tokens_per_step,
                   "world_size": strategy.world_size, "device": strategy.device.type,
                   "state_bytes_per_rank": summary["state_bytes_per_rank"], "ranks": gathered}
+        if "grad_sync" in cfg.strategy:  # what the run settled (grad_sync=auto), for the prediction
+            record["grad_sync"] = [cfg.strategy.grad_sync, cfg.strategy.reshard_after_backward]
         (trainer.run_dir / MEASURED_FILE).write_text(json.dumps(record, indent=1) + "\n")
     # as trainer.run.train: the model goes before the process group (DDP's reducer holds the gloo group)
     del trainer

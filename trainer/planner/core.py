@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.planner.accumulation import resolve_grad_sync
 from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import Layout, layout_from_config, model_config
 from trainer.planner.memory import (
@@ -135,8 +136,9 @@ def plan(cfg: DictConfig, *, exact: Optional[bool] = None, search: Optional[bool
         exact = planning and bool(node.exact)
     top = int(node.top) if node is not None else 5
     hardware = hardware_from_config(cfg)
-    layout = layout_from_config(cfg)
     inv = inventory(model_config(cfg))
+    # grad_sync=auto: what a run on this hardware would choose (trainer/planner/accumulation.py)
+    layout, _ = resolve_grad_sync(inv, layout_from_config(cfg), hardware, options)
     estimates = evaluate(inv, layout, hardware, options)
     if options.rank is not None:
         coords = RankCoords.of(int(options.rank), layout)

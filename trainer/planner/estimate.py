@@ -106,7 +106,11 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
         fb["local gradients before the reduce-scatter"] = (full - shard) * layout.param_bytes + (
             bucket * (1 + 1 / layout.replica_group)) * layout.reduce_bytes
     if layout.dp_flavour in ("zero1", "zero2"):
-        step["ZeRO all-gather buffers"] = (full + shard) * layout.param_bytes
+        # one bucket at a time: the gathered rows of at most bucket_cap_mb (a larger tensor is a bucket
+        # of its own) and this rank's part of them
+        largest = max(math.prod(spec.local_shape(layout.tp)) for spec in (*inv.embedding, *inv.layer, *inv.head))
+        bucket = min(full, max(layout.bucket_cap_mb * 2**20 / layout.param_bytes, largest))
+        step["ZeRO all-gather buffers"] = bucket * (1 + 1 / layout.replica_group) * layout.param_bytes
     return fb, step
 
 

@@ -19,8 +19,10 @@ import dataclasses
 import os
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig
 
+from trainer.planner.accumulation import this_machine
 from trainer.planner.core import hardware_from_config
 from trainer.planner.estimate import PlanOptions, evaluate
 from trainer.planner.layout import layout_from_config, model_config
@@ -101,14 +103,10 @@ def _suggestions(cfg: DictConfig, machine: MachineMemory, local_ranks: int) -> l
     """The planner's best layouts of the same world size for this machine's free memory (at most two)."""
     from trainer.planner.search import search_configurations
 
-    base = hardware_from_config(cfg)
-    if machine.device_type == "cuda":
-        memory_gb = (machine.device_available or 0.0) / GB
-    else:
-        memory_gb = machine.host_available / GB / local_ranks
-    hardware = dataclasses.replace(base, name="this machine", device_type=machine.device_type, memory_gb=memory_gb,
-                                   reserved_gb=0.0, devices_per_node=local_ranks,
-                                   host_memory_gb=machine.host_available / GB)
+    device_bytes = (machine.device_available or 0.0) if machine.device_type == "cuda" else None
+    hardware = this_machine(hardware_from_config(cfg), torch.device(machine.device_type), local_ranks,
+                            host_bytes=machine.host_available,
+                            device_bytes=device_bytes)
     options = dataclasses.replace(PlanOptions.of(cfg), headroom=0.0, rank=None)
     try:
         found = search_configurations(cfg, inventory(model_config(cfg)), layout_from_config(cfg), hardware, options,
