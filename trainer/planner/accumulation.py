@@ -80,11 +80,13 @@ def this_machine(base: HardwareConfig, device: torch.device, local_ranks: int,
     host memory). Capacities, not what is free now: every rank of a homogeneous job computes the same
     figures (`host_bytes` / `device_bytes` replace them, as the preflight does with the free memory)."""
     host = _total_host_bytes() if host_bytes is None else host_bytes
-    if device.type == "cuda":
+    if device_bytes is not None:
+        per_device = device_bytes
+    elif device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        per_device = float(torch.cuda.get_device_properties(index).total_memory) if device_bytes is None else device_bytes
+        per_device = float(torch.cuda.get_device_properties(index).total_memory)
     else:
-        per_device = host / max(local_ranks, 1) if device_bytes is None else device_bytes
+        per_device = host / max(local_ranks, 1)
     return dataclasses.replace(base, name="this machine", device_type=device.type, memory_gb=per_device / GB,
                                reserved_gb=0.0, devices_per_node=max(local_ranks, 1), host_memory_gb=host / GB)
 
