@@ -15,14 +15,13 @@ reduces once per step and keeps the parameters gathered whatever is asked, so `a
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 
 from trainer.planner.estimate import PlanOptions, evaluate, fits, usable_bytes
-from trainer.planner.hardware import HardwareConfig
+from trainer.planner.hardware import HardwareConfig, meminfo_bytes
 from trainer.planner.layout import Layout, layout_from_config, model_config
 from trainer.planner.memory import GB
 from trainer.planner.params import ModelInventory, inventory
@@ -61,25 +60,13 @@ def resolve_grad_sync(inv: ModelInventory, layout: Layout, hardware: HardwareCon
     return per_microbatch, f"whole gradients and parameters do not fit ({sizes})"
 
 
-def _total_host_bytes() -> float:
-    """MemTotal of /proc/meminfo, else the physical pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
 def this_machine(base: HardwareConfig, device: torch.device, local_ranks: int,
                  host_bytes: Optional[float] = None, device_bytes: Optional[float] = None) -> HardwareConfig:
     """The hardware profile `base` (the configuration's) with this machine's memory: a CUDA device's total
     memory, or on a CPU run the host memory shared by the node's `local_ranks` (a rank's "device" memory is
     host memory). Capacities, not what is free now: every rank of a homogeneous job computes the same
     figures (`host_bytes` / `device_bytes` replace them, as the preflight does with the free memory)."""
-    host = _total_host_bytes() if host_bytes is None else host_bytes
+    host = meminfo_bytes("MemTotal") if host_bytes is None else host_bytes
     if device_bytes is not None:
         per_device = device_bytes
     elif device.type == "cuda":

@@ -8,6 +8,7 @@ allocator's own needs take before any tensor exists.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -77,3 +78,16 @@ class HardwareConfig:
 # The `hardware` group has one schema, registered in Hydra's ConfigStore as `hardware_schema` by
 # trainer.config.register_configs (every conf/hardware/*.yaml names it in its defaults list).
 SCHEMAS: dict[str, type] = {"hardware": HardwareConfig}
+
+
+def meminfo_bytes(field_name: str) -> float:
+    """A /proc/meminfo field in bytes (`MemTotal`, `MemAvailable`: what can be allocated without swapping),
+    else the total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{field_name}:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from trainer.planner.accumulation import this_machine
 from trainer.planner.core import hardware_from_config
 from trainer.planner.estimate import PlanOptions, evaluate
+from trainer.planner.hardware import meminfo_bytes
 from trainer.planner.layout import layout_from_config, model_config
 from trainer.planner.memory import GB
 from trainer.planner.params import inventory
@@ -39,18 +40,6 @@ class MachineMemory:
     device_type: str
     host_available: float
     device_available: Optional[float] = None
-
-
-def _meminfo_available() -> float:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _nvml_free_bytes(index: int) -> Optional[float]:
@@ -87,7 +76,7 @@ def available_memory(device_type: str, launching: bool = False) -> MachineMemory
                 device_available = float(torch.cuda.get_device_properties(index).total_memory)
             else:
                 device_available = float(torch.cuda.mem_get_info(index)[0])
-    return MachineMemory(device_type, _meminfo_available(), device_available)
+    return MachineMemory(device_type, meminfo_bytes("MemAvailable"), device_available)
 
 
 def _device_type(cfg: DictConfig) -> str:
