@@ -8,9 +8,11 @@ times `optimizer.step()` for each implementation (for-loop, foreach, fused) on e
 partition (the DTensor row views the trainer uses, their plain local tensors, one flat tensor as DeepSpeed
 steps), on `--nproc` gloo processes (each steps its 1/nproc partition, as in a run), the implementations
 alternating in ABBA order over `--repeats` rounds, and prints the median milliseconds per step and each
-ratio against the trainer's old default (DTensor views, for-loop). It also times the rest of ZeRO-1's step,
-the all-gather that brings every rank the rows the others updated (`_gather_updated_rows`), against a bare
-`all_gather_into_tensor` of the same bytes. Last line: one JSON object.
+ratio against the trainer's old default (DTensor views, for-loop). It also times the collectives around the
+step, each against a bare collective of the same bytes: ZeRO-1/2's all-gather that brings every rank the rows
+the others updated (`_gather_updated_rows`; bare: `all_gather_into_tensor`) and ZeRO-2's reduce-scatter of
+the accumulated gradients into each rank's rows (`reduce_scatter_gradients`; bare: `reduce_scatter_tensor`).
+Last line: one JSON object.
 
     python benchmarks/optimizer_step.py                      # 2 processes x 1 thread, tiny model
     python benchmarks/optimizer_step.py --nproc 1 model=llama2_7b model.n_layers=2   # any model overrides
@@ -68,28 +70,38 @@ def build_optimizers(overrides: list[str]) -> dict[tuple[str, str], tuple[torch.
     return optimizers
 
 
-def time_gathers(args: argparse.Namespace) -> dict[str, float]:
-    """Median ms of ZeRO-1's all-gather of the updated rows and of one bare all-gather of as many bytes."""
+def time_collectives(args: argparse.Namespace) -> dict[str, float]:
+    """Median ms of ZeRO-1/2's all-gather of the updated rows and of ZeRO-2's reduce-scatter of the gradients
+    into each rank's rows, each beside one bare collective of as many bytes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.config import compose
     from trainer.models import build_meta_model
     from trainer.optim import param_groups
-    from trainer.plugins.strategies.ddp import ShardedOptimizerStates
+    from trainer.plugins.strategies.ddp import ShardedGradients
 
     cfg = compose(args.overrides)
     model = build_meta_model(cfg.model)
     model.to_empty(device="cpu")
-    states = ShardedOptimizerStates(init_device_mesh("cpu", (dist.get_world_size(),)), torch.device("cpu"))
-    for group in param_groups([model], 0.0):
-        for param in group["params"]:
-            states._sharded_view(param)
+    states = ShardedGradients(init_device_mesh("cpu", (dist.get_world_size(),)), torch.device("cpu"))
+    params = [param for group in param_groups([model], 0.0) for param in group["params"]]
+    for param in params:
+        states._sharded_view(param)
+    grads = [torch.randn_like(param) for param in params]
+
+    def reduce_scatter() -> None:
+        for param, grad in zip(params, grads):  # it frees the whole gradients: hand them back (no copy)
+            param.grad = grad
+        states.reduce_scatter_gradients()
+
     numel = sum(view.to_local().numel() for _, view in states.optimizer_tensor_pairs())
-    send, received = torch.empty(numel), torch.empty(numel * dist.get_world_size())
+    shard, whole = torch.empty(numel), torch.empty(numel * dist.get_world_size())
     runs: dict[str, Callable[[], Any]] = {
         "rows_all_gather": states._gather_updated_rows,
-        "bare_all_gather": lambda: dist.all_gather_into_tensor(received, send)}
+        "bare_all_gather": lambda: dist.all_gather_into_tensor(whole, shard),
+        "gradient_reduce_scatter": reduce_scatter,
+        "bare_reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, whole)}
     times: dict[str, list[float]] = {key: [] for key in runs}
     for round_ in range(args.repeats):
         for key in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
@@ -107,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    gathers = time_gathers(args)
+    gathers = time_collectives(args)
     optimizers = build_optimizers(args.overrides)
     keys = list(optimizers)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
@@ -135,8 +147,10 @@ def worker(args: argparse.Namespace) -> None:
             print(f"{holder:<15} {implementation:<15} {value:8.2f} {reference / value:17.2f}x")
         print(f"all-gather of the updated rows {gathers['rows_all_gather']:.2f} ms, bare all-gather of the same "
               f"bytes {gathers['bare_all_gather']:.2f} ms")
+        print(f"reduce-scatter of the gradients into each rank's rows (zero2) {gathers['gradient_reduce_scatter']:.2f} "
+              f"ms, bare reduce-scatter of the same bytes {gathers['bare_reduce_scatter']:.2f} ms")
         print(json.dumps({"elements_per_rank": numel, "tensors": tensors, "world_size": dist.get_world_size(),
-                          "gather_ms": gathers,
+                          "collective_ms": gathers,
                           "ms_per_step": {f"{h}/{i}": v for (h, i), v in medians.items()},
                           "speedup_vs_views_for_loop": {f"{h}/{i}": reference / v for (h, i), v in medians.items()}}))
     dist.destroy_process_group()

@@ -265,18 +265,21 @@ def common_overrides(args: argparse.Namespace, threads: int) -> list[str]:
     ]
 
 
-def run_ours(args: argparse.Namespace, threads: int) -> dict[str, Any]:
-    world = dist.get_world_size()
-    overrides = common_overrides(args, threads) + [
-        f"strategy=zero{args.stage}", f"trainer.devices={world}", *json.loads(args.ours_overrides or "[]"),
+def ours_overrides(args: argparse.Namespace, threads: int) -> list[str]:
+    return common_overrides(args, threads) + [
+        f"strategy=zero{args.stage}", f"trainer.devices={dist.get_world_size()}",
+        *json.loads(args.ours_overrides or "[]"),
         # given, so the trainer does not run its matmul measurement inside the memory window
         f"trainer.peak_flops={args.peak_flops}",
     ]
+
+
+def run_ours(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     clock = StepClock()
     window = RssWindow()
     with shared_run_dir() as run_dir:
         window.start()
-        trainer = build_trainer(compose(overrides), run_dir)
+        trainer = build_trainer(compose(ours_overrides(args, threads)), run_dir)
         trainer.callbacks.append(clock)
         trainer.fit()
         memory = window.stop()
@@ -291,7 +294,9 @@ def run_ours(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     return result
 
 
-def run_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def build_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """DeepSpeed's side: the engine for ZeRO stage `args.stage` over the same model, optimizer, schedule and
+    batches as ours (see the module docstring), with what a step needs."""
     import logging
 
     import deepspeed  # optional dependency: imported only by the DeepSpeed launches
@@ -320,9 +325,6 @@ def run_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     }
     steps = total_steps(cfg)
     schedule = warmup_cosine(steps, cfg.lr_schedule.warmup_steps, cfg.lr_schedule.min_ratio)
-
-    window = RssWindow()
-    window.start()
     torch.manual_seed(t.seed)  # the trainer's init: same seed, same draws, same weights
     model = build_model(cfg.model)
     opt = cfg.optimizer
@@ -334,33 +336,53 @@ def run_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         lr_scheduler=lambda client: torch.optim.lr_scheduler.LambdaLR(client, schedule),
     )
     loader, _ = build_data(cfg, cfg.model.vocab_size, dp_rank=rank, dp_size=world)
+    return {"engine": engine, "zero_optimizer": zero_optimizer, "model": model, "loader": loader,
+            "accumulation": accumulation, "steps": steps, "log_every": t.log_every,
+            "version": deepspeed.__version__}
 
+
+def deepspeed_microbatches(side: dict[str, Any], on_backward: Callable[[], None] = lambda: None) -> torch.Tensor:
+    """One optimizer step of DeepSpeed's engine over the next global batch; the mean loss (not synced)."""
+    engine, accumulation = side["engine"], side["accumulation"]
+    total = torch.zeros(())
+    for x, y in next(side["loader"]):
+        logits = engine(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        on_backward()
+        engine.step()  # steps optimizer and LR schedule only at the accumulation boundary
+        total += loss.detach() / accumulation
+    return total
+
+
+def run_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    window = RssWindow()
+    window.start()
+    side = build_deepspeed(args, threads)
+    steps, world = side["steps"], dist.get_world_size()
     inspect_step = min(1, steps - 1)  # the second step: optimizer states exist, gradients are held
     state = {kind: 0 for kind in STATE_KINDS}
     excluded = 0.0  # seconds spent counting state, taken off the clock
     final_loss = math.nan
     times = [time.perf_counter()]
     for step in range(steps):
-        total = torch.zeros(())
-        for x, y in next(loader):
-            logits = engine(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        def count_state() -> None:
+            nonlocal excluded
             if step == inspect_step:
                 started = time.perf_counter()
-                for kind, nbytes in deepspeed_state_bytes(model, zero_optimizer).items():
+                for kind, nbytes in deepspeed_state_bytes(side["model"], side["zero_optimizer"]).items():
                     state[kind] = max(state[kind], nbytes)
                 excluded += time.perf_counter() - started
-            engine.step()  # steps optimizer and LR schedule only at the accumulation boundary
-            total += loss.detach() / accumulation
-        if (step + 1) % t.log_every == 0 or step + 1 == steps:  # the trainer's logging syncs
+
+        total = deepspeed_microbatches(side, count_state)
+        if (step + 1) % side["log_every"] == 0 or step + 1 == steps:  # the trainer's logging syncs
             dist.all_reduce(total)
             final_loss = total.item() / world
         times.append(time.perf_counter() - excluded)
     memory = window.stop()
     return {"times": times, "state_bytes": state, "final_train_loss": final_loss,
-            "final_lr": engine.get_lr()[0], "threads": torch.get_num_threads(),
-            "deepspeed_version": deepspeed.__version__, **memory}
+            "final_lr": side["engine"].get_lr()[0], "threads": torch.get_num_threads(),
+            "deepspeed_version": side["version"], **memory}
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -269,3 +269,49 @@ def test_updated_rows_are_written_back_in_rank_order(rows: int) -> None:
     target = torch.zeros(rows, 3)
     _write_chunks(target, chunks)
     assert torch.equal(target, whole)
+
+
+def _gather_worker(rank: int, world: int, init_file: str) -> None:
+    """Each rank overwrites its Shard(0) rows with rank-specific values; after the gather every rank must
+    hold every rank's rows (uneven rows, a non-contiguous tensor, two dtypes, several buckets)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel_dims import shard_rows
+    from trainer.plugins.strategies.ddp import ShardedOptimizerStates
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        base = torch.zeros(5, 7)
+        params = [torch.nn.Parameter(torch.zeros(rows, 3)) for rows in (7, 5, 1, 3)]
+        params.append(torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float64)))
+        params.append(torch.nn.Parameter(base.t()))  # non-contiguous: 7 rows of a transposed buffer
+        states = ShardedOptimizerStates(mesh, torch.device("cpu"), bucket_cap_mb=100 / 2**20)  # 100-byte buckets
+        views = [states._sharded_view(param) for param in params]
+
+        def expected(param: torch.Tensor) -> torch.Tensor:
+            whole = torch.empty_like(param.data)
+            for r in range(world):
+                shard_rows(whole, r, world).copy_(torch.arange(shard_rows(whole, r, world).numel())
+                                                  .view(shard_rows(whole, r, world).shape) + 100 * (r + 1) + step)
+            return whole
+
+        for step in range(3):  # the plans are built once, then reused
+            for view in views:
+                mine = view.to_local()
+                mine.copy_(torch.arange(mine.numel()).view(mine.shape) + 100 * (rank + 1) + step)
+            states._gather_updated_rows()
+            for param in params:
+                assert torch.equal(param.data, expected(param)), (rank, step, param.data)
+        assert len(states._gather_plans) > 2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_updated_rows_all_gather_with_uneven_rows_on_three_ranks(tmp_path: Path) -> None:
+    """ZeRO-1/2's in-place all-gather of the updated rows (trainer's `_GatherPlan`) on 3 gloo processes."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gather_worker, args=(3, str(tmp_path / "init")), nprocs=3, join=True)

@@ -143,6 +143,21 @@ def _write_chunks(data: torch.Tensor, chunks: torch.Tensor) -> None:
         flat[complete * size:].copy_(chunks[complete, :flat.numel() - complete * size])
 
 
+def _divide_into_chunks(flat: torch.Tensor, divisor: int, chunks: torch.Tensor) -> None:
+    """`flat` / `divisor` written into `chunks` (world x chunk size): row r gets rank r's Shard(0) chunk,
+    the padding after the last rows is zeroed (the reverse of `_write_chunks`)."""
+    size = chunks.shape[1]
+    if size == 0:
+        return
+    complete = flat.numel() // size
+    torch.div(flat[:complete * size].view(complete, size), divisor, out=chunks[:complete])
+    if complete < chunks.shape[0]:
+        tail = flat.numel() - complete * size
+        torch.div(flat[complete * size:], divisor, out=chunks[complete, :tail])
+        chunks[complete, tail:].zero_()
+        chunks[complete + 1:].zero_()
+
+
 class ShardedOptimizerStates:
     """ZeRO-1 optimizer states: partitioned evenly over the ranks of `mesh` (a strategy holds one).
 
@@ -167,6 +182,9 @@ class ShardedOptimizerStates:
         # over the ranks holding the same experts (edp), not over all of dp x cp.
         self._expert_mesh = expert_mesh
         self._expert_ids = {id(p) for p in expert_params}
+        # the all-gather plans, and the parameter storage they were built for (`_gather_updated_rows`)
+        self._gather_plans: list[_GatherPlan] = []
+        self._gather_key: tuple[int, ...] | None = None
 
     def mesh_of(self, param: nn.Parameter) -> DeviceMesh:
         """The ranks `param`'s rows are partitioned over."""
@@ -218,47 +236,92 @@ class ShardedOptimizerStates:
         return stepped
 
     def _buckets(self, world: int, shards: Sequence[tuple[nn.Parameter, DTensor]]) -> list[list[tuple[nn.Parameter, DTensor]]]:
-        """`shards` in order, cut into buckets of at most `bucket_bytes` across all ranks' chunks."""
+        """`shards` in order, cut into buckets of at most `bucket_bytes` across all ranks' chunks and of one
+        dtype each."""
         buckets: list[list[tuple[nn.Parameter, DTensor]]] = [[]]
         size = 0
+        dtype = None
         for param, view in shards:
             data = _local(param.data)
             nbytes = world * _chunk_numel(data, world) * data.element_size()
-            if buckets[-1] and size + nbytes > self.bucket_bytes:
+            if buckets[-1] and (size + nbytes > self.bucket_bytes or data.dtype != dtype):
                 buckets.append([])
                 size = 0
             buckets[-1].append((param, view))
             size += nbytes
+            dtype = data.dtype
         return buckets
 
     @torch.no_grad()
     def _gather_updated_rows(self) -> None:
-        """Bring every rank the rows the others updated: one all-gather per bucket of parameters.
+        """Bring every rank the rows the others updated: one in-place all-gather per bucket of parameters.
 
         Each rank contributes its chunk of every parameter padded to the full chunk size, so all ranks
-        send buffers of one length; ranks' chunks of a parameter are contiguous rows, so writing them in
-        rank order and dropping the tail padding gives the whole parameter.
+        send buffers of one length; ranks' chunks of a parameter are contiguous rows, so writing the other
+        ranks' chunks back in rank order (dropping the tail padding) gives the whole parameter. The plans
+        (the views copied from and to) are built once and reused while the parameters keep their storage,
+        so that a step costs a few calls per bucket rather than per tensor.
         """
-        for mesh, shards in self._by_mesh():  # per partition group (two under ep)
-            world = mesh.size()
-            for bucket in self._buckets(world, shards):
-                locals_ = [_local(param.data) for param, _ in bucket]
-                sizes = [_chunk_numel(data, world) for data in locals_]
-                buffer = torch.empty(sum(sizes), dtype=locals_[0].dtype, device=self.device)
-                offset = 0
-                for (_, view), size in zip(bucket, sizes):
-                    rows = view.to_local().reshape(-1)
-                    buffer[offset:offset + rows.numel()] = rows  # the padding after it is never read
-                    offset += size
-                gathered = buffer.new_empty(world, buffer.numel())
-                if world > 1:
-                    dist.all_gather_into_tensor(gathered.view(-1), buffer, group=mesh.get_group())
-                else:
-                    gathered[0].copy_(buffer)
-                offset = 0
-                for data, size in zip(locals_, sizes):
-                    _write_chunks(data, gathered[:, offset:offset + size])
-                    offset += size
+        key = tuple(_local(param.data).data_ptr() for param, _ in self._shards)
+        if self._gather_key != key:
+            self._gather_plans = [_GatherPlan(mesh, bucket, self.device)
+                                  for mesh, shards in self._by_mesh()  # per partition group (two under ep)
+                                  for bucket in self._buckets(mesh.size(), shards)]
+            self._gather_key = key
+        for plan in self._gather_plans:
+            plan.run()
+
+
+class _GatherPlan:
+    """The all-gather of one bucket of updated rows with what does not change between steps prepared: the
+    views of this rank's updated rows, of the places in the parameters the other ranks' rows go to, and
+    their offsets in the gathered buffer (rank r's row: its chunks of the bucket's parameters, each padded
+    to the full chunk size). The buffer itself is allocated per step, so that at most one bucket of it
+    exists at a time."""
+
+    def __init__(self, mesh: DeviceMesh, bucket: Sequence[tuple[nn.Parameter, DTensor]], device: torch.device) -> None:
+        self.group = mesh.get_group()
+        self.world, self.rank = world, rank = mesh.size(), mesh.get_local_rank()
+        datas = [_local(param.data) for param, _ in bucket]
+        sizes = [_chunk_numel(data, world) for data in datas]
+        self.numel, self.dtype, self.device = sum(sizes), datas[0].dtype, device
+        self.sources: list[torch.Tensor] = []  # this rank's updated rows ...
+        self.slots: list[tuple[int, torch.Size]] = []  # ... and their offsets and shapes in its row of the buffer
+        self.targets: list[torch.Tensor] = []  # the other ranks' rows in the parameters ...
+        self.chunks: list[tuple[int, int, int]] = []  # ... from (rank, offset, elements) of the buffer
+        self.fallback: list[tuple[torch.Tensor, int, int]] = []  # non-contiguous parameters: whole rewrite
+        offset = 0
+        for (_, view), data, size in zip(bucket, datas, sizes):
+            rows = view.to_local()  # what the optimizer updated: a view of this rank's rows of the parameter
+            self.sources.append(rows)
+            self.slots.append((offset, rows.shape))  # the padding after it is never read
+            if data.is_contiguous():
+                flat = data.view(-1)
+                # own rows were updated in place, unless the view no longer shares the parameter's storage
+                in_place = rows.numel() == 0 or rows.data_ptr() == flat[rank * size:].data_ptr()
+                for other in range(world):
+                    start, end = other * size, min((other + 1) * size, flat.numel())
+                    if (other != rank or not in_place) and end > start:
+                        self.targets.append(flat[start:end])
+                        self.chunks.append((other, offset, end - start))
+            else:
+                self.fallback.append((data, offset, size))
+            offset += size
+        self.needed = world > 1 or bool(self.targets) or bool(self.fallback)
+
+    def run(self) -> None:
+        if not self.needed:
+            return  # one rank whose views are its parameters: already updated
+        gathered = torch.empty(self.world, self.numel, dtype=self.dtype, device=self.device)
+        mine = gathered[self.rank]
+        torch._foreach_copy_([mine[offset:offset + shape.numel()].view(shape) for offset, shape in self.slots],
+                             self.sources)
+        if self.world > 1:  # in place: this rank's input is its row of the output, as FSDP2 gathers
+            dist.all_gather_into_tensor(gathered.view(-1), mine, group=self.group)
+        if self.targets:
+            torch._foreach_copy_(self.targets, [gathered[r, offset:offset + n] for r, offset, n in self.chunks])
+        for data, offset, size in self.fallback:
+            _write_chunks(data, gathered[:, offset:offset + size])
 
 
 class ShardedGradients(ShardedOptimizerStates):
@@ -298,22 +361,22 @@ class ShardedGradients(ShardedOptimizerStates):
             datas = [_local(param.data) for param, _ in bucket]
             sizes = [_chunk_numel(data, world) for data in datas]
             dtype = self.reduce_dtype or datas[0].dtype
-            # row r of `send` holds every parameter's r-th chunk (its rows under Shard(0)), zero-padded
-            send = torch.zeros(world, sum(sizes), dtype=dtype, device=self.device)
+            # row r of `send` holds every parameter's r-th chunk (its rows under Shard(0)), written divided by
+            # the ranks (the mean, as DDP divides before its all-reduce) in one pass per parameter
+            send = torch.empty(world, sum(sizes), dtype=dtype, device=self.device)
             offset = 0
-            for (param, _), data, size in zip(bucket, datas, sizes):
-                if param.grad is not None:
-                    flat = _local(param.grad).reshape(-1)
-                    padded = torch.zeros(world * size, dtype=dtype, device=self.device)
-                    padded[:flat.numel()] = flat
-                    send[:, offset:offset + size] = padded.view(world, size)
+            for (param, _), size in zip(bucket, sizes):
+                segment = send[:, offset:offset + size]
+                if param.grad is None:
+                    segment.zero_()
+                else:
+                    _divide_into_chunks(_local(param.grad).reshape(-1), ranks, segment)
                 offset += size
-            send.div_(ranks)  # the mean over ranks, as DDP divides before its all-reduce
-            received = torch.empty(sum(sizes), dtype=dtype, device=self.device)
             if world > 1:
+                received = torch.empty(sum(sizes), dtype=dtype, device=self.device)
                 dist.reduce_scatter_tensor(received, send.view(-1), op=dist.ReduceOp.SUM, group=group)
             else:
-                received.copy_(send.view(-1))
+                received = send[0]
             offset = 0
             for (param, view), data, size in zip(bucket, datas, sizes):
                 rows = shard_rows(data, rank, world)
