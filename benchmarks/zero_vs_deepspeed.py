@@ -294,9 +294,10 @@ def run_ours(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     return result
 
 
-def build_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def build_deepspeed(args: argparse.Namespace, threads: int, window: RssWindow | None = None) -> dict[str, Any]:
     """DeepSpeed's side: the engine for ZeRO stage `args.stage` over the same model, optimizer, schedule and
-    batches as ours (see the module docstring), with what a step needs."""
+    batches as ours (see the module docstring), with what a step needs. `window` starts just before the model
+    is built (after DeepSpeed's import and initialization, as ours starts before `build_trainer`)."""
     import logging
 
     import deepspeed  # optional dependency: imported only by the DeepSpeed launches
@@ -325,6 +326,8 @@ def build_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     }
     steps = total_steps(cfg)
     schedule = warmup_cosine(steps, cfg.lr_schedule.warmup_steps, cfg.lr_schedule.min_ratio)
+    if window is not None:
+        window.start()
     torch.manual_seed(t.seed)  # the trainer's init: same seed, same draws, same weights
     model = build_model(cfg.model)
     opt = cfg.optimizer
@@ -357,8 +360,7 @@ def deepspeed_microbatches(side: dict[str, Any], on_backward: Callable[[], None]
 
 def run_deepspeed(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     window = RssWindow()
-    window.start()
-    side = build_deepspeed(args, threads)
+    side = build_deepspeed(args, threads, window)
     steps, world = side["steps"], dist.get_world_size()
     inspect_step = min(1, steps - 1)  # the second step: optimizer states exist, gradients are held
     state = {kind: 0 for kind in STATE_KINDS}
