@@ -15,3 +15,10 @@ def _keep_thread_count() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's shared launches (tests/launch_pool.py) wrote into one temporary directory."""
+    from tests.launch_pool import remove_pool
+
+    remove_pool()

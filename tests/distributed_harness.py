@@ -2,16 +2,18 @@
 
 Starting processes costs seconds on a 2-core machine, so the multi-process tests batch their runs:
 `torchrun --nproc-per-node N tests/distributed_harness.py SPEC.json`, where SPEC lists named override
-lists. Each run writes, from rank 0, `<out>/<name>/summary.json` (with per-step losses from metrics.csv
-next to it) and `<out>/<name>/weights.pt` (the full final weights). With `"count_collectives": true` in
-SPEC, each summary also gets `collective_calls`: rank 0's collectives over the run's own process groups,
-by operation, from torch's flight recorder.
+lists (tests/launch_pool.py gathers the session's runs into one SPEC per world size). Each run writes, from
+rank 0, `<dir>/summary.json` (with per-step losses from metrics.csv next to it) and `<dir>/weights.pt`
+(the full final weights), where `<dir>` is the run's `dir` or else `<out>/<name>`. With
+`"count_collectives": true` in SPEC or in a run, its summary also gets `collective_calls`: rank 0's
+collectives over the run's own process groups, by operation, from torch's flight recorder.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import sys
 from collections import Counter
@@ -31,19 +33,21 @@ from trainer.run import build_trainer  # noqa: E402
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    if spec.get("count_collectives"):
+    counted = [bool(spec.get("count_collectives") or run.get("count_collectives")) for run in spec["runs"]]
+    if any(counted):
         enable_flight_recorder(entries=100_000)  # every collective of every run: the ring must not wrap
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     configure_worker_logging(rank, out)
-    for run in spec["runs"]:
-        run_dir = out / run["name"]
-        first_record = next_record_id()
+    for run, count in zip(spec["runs"], counted, strict=True):
+        run_dir = Path(run["dir"]) if "dir" in run else out / run["name"]
+        first_record = next_record_id() if count else 0
+        run_log = run_logging(rank, run_dir)
         trainer = build_trainer(compose(run["overrides"]), run_dir)
         summary = trainer.fit()
-        if spec.get("count_collectives"):
+        if count:
             summary["collective_calls"] = collective_calls(first_record, trainer.strategy.dims)
             summary["fsdp_units"] = sum(isinstance(m, FSDPModule) for part in trainer.model_parts
                                         for m in part.modules())
@@ -57,7 +61,22 @@ def main() -> None:
         trainer.strategy.teardown()
         trainer = None
         gc.collect()
+        if run_log is not None:
+            logging.getLogger().removeHandler(run_log)
+            run_log.close()
     dist.destroy_process_group()
+
+
+def run_logging(rank: int, run_dir: Path) -> logging.Handler | None:
+    """Rank 0 also logs each run into `<run_dir>/train.log` (the launch's own train.log holds every run's
+    lines), so a test reads what its run said when the session's runs share a launch."""
+    if rank != 0:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def next_record_id() -> int:

@@ -36,6 +36,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.checkpoint.storage import UnsafeCheckpointError, read_metadata
+from tests.launch_pool import POOL
 from trainer.config import compose
 from trainer.run import build_trainer
 
@@ -162,23 +163,26 @@ def exact_resume_runs(name: str, overrides: list[str], out: Path, stop: bool = F
 
 
 # ---- the batched multi-process launches ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+_LAUNCHES = POOL.directory("checkpoint")
+_ZERO3_SAVED = half_checkpoint(_LAUNCHES / "np4" / "zero3-straight")
+POOL.add("checkpoint", 4, [
+    *exact_resume_runs("zero3", ZERO3_4, _LAUNCHES / "np4"),
+    # one step, then saved at the end (step HALF + 1) for test_a_resharded_run_saves_what_resumes_again
+    {"name": "tp_dp-from-zero3", "overrides": BASE + TP_DP + CHECKPOINTS + helper("stop", steps=1) + [
+        f"resume={_ZERO3_SAVED}"]},
+])
+POOL.add("checkpoint", 2, [run for name, overrides in TWO.items()
+                           for run in exact_resume_runs(name, overrides, _LAUNCHES / "np2", stop=name == "ddp")])
+# reads the 4-process launch's checkpoint: a launch after it
+POOL.add("checkpoint", 2, [{"name": "pp-from-zero3", "overrides": BASE + TWO["pp"] + helper("stop", steps=1) + [
+    f"resume={_ZERO3_SAVED}"]}], stage=1)
 
-    out = tmp_path_factory.mktemp("checkpoint")
-    np4, np2 = out / "np4", out / "np2"
-    source = half_checkpoint(np4 / "zero3-straight")
-    launch_harness(out, 4, [
-        *exact_resume_runs("zero3", ZERO3_4, np4),
-        # one step, then saved at the end (step HALF + 1) for test_a_resharded_run_saves_what_resumes_again
-        {"name": "tp_dp-from-zero3", "overrides": BASE + TP_DP + CHECKPOINTS + helper("stop", steps=1) + [
-            f"resume={source}"]},
-    ])
-    runs = [run for name, overrides in TWO.items() for run in exact_resume_runs(name, overrides, np2, stop=name == "ddp")]
-    runs.append({"name": "pp-from-zero3", "overrides": BASE + TWO["pp"] + helper("stop", steps=1) + [f"resume={source}"]})
-    launch_harness(out, 2, runs)
-    return out
+
+@pytest.fixture(scope="module")
+def launches() -> Path:
+    POOL.ensure(4, "checkpoint")
+    POOL.ensure(2, "checkpoint")
+    return POOL.ensure(2, "checkpoint", stage=1)
 
 
 EXACT = [("np2", name) for name in TWO] + [("np4", "zero3")]
@@ -208,8 +212,9 @@ def test_sigterm_on_one_rank_saves_and_stops_every_rank(launches: Path) -> None:
     assert [c.name for c in complete_checkpoints(first / "checkpoints")] == [half_checkpoint(first).name]
     manifest = json.loads((half_checkpoint(first) / "checkpoint.json").read_text())
     assert manifest["reason"] == "signal" and manifest["step"] == HALF and manifest["world_size"] == 2
-    assert "SIGTERM: saving a checkpoint" not in (launches / "np2" / "train.log").read_text()  # rank 0 was not signalled
-    assert "a signal on another rank: saving a checkpoint at step" in (launches / "np2" / "train.log").read_text()
+    log = (first / "train.log").read_text()
+    assert "SIGTERM: saving a checkpoint" not in log  # rank 0 was not signalled
+    assert "a signal on another rank: saving a checkpoint at step" in log
 
 
 @pytest.mark.slow

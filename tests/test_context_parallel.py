@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.launch_pool import POOL
 from tests.test_checkpoint import BASE, HALF, assert_exact_resume, column, exact_resume_runs, half_checkpoint
 from trainer.config import compose
 from trainer.models.context_parallel import (
@@ -225,12 +226,8 @@ DOCUMENTS = {
 DOCUMENT_REFERENCES = {"single_docs": MODEL, "single_gpt_docs": GPT}
 
 
-def document_data(out: Path) -> list[str]:
-    from tests.test_documents import write_documents
-
-    path = out / "documents"
-    if not path.exists():
-        write_documents(path)
+def document_data(path: Path) -> list[str]:
+    """The loop over the packed documents written at `path` (tests/test_documents.py's)."""
     # 10 steps: a wrong mask shows from the first step; later, Adam amplifies float rounding (its update
     # m / sqrt(v) is sensitive for rarely seen tokens), and the packed documents' gradients drift past 1e-4
     # (all_to_all: 2e-4 by step 20, while the losses still agree to 2e-7)
@@ -252,24 +249,37 @@ def _reference_of(name: str) -> str:
     return "single_gpt" if name.startswith("gpt") else "single"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+_OUT = POOL.directory("context_parallel")
+_DOCUMENTS = _OUT / "documents"
 
-    out = tmp_path_factory.mktemp("context_parallel")
+
+def _write_documents() -> None:
+    from tests.test_documents import write_documents
+
+    if not _DOCUMENTS.exists():
+        write_documents(_DOCUMENTS)
+
+
+for _nproc in (2, 4, 8):
+    _batch = [{"name": name, "overrides": model + LOOP + strategy + [f"trainer.devices={_nproc}"]}
+              for name, (model, strategy, procs) in PARITY.items() if procs == _nproc]
+    if _nproc == 2:
+        _batch += exact_resume_runs("cp2", CP2, _OUT / "np2")
+        _batch += [{"name": name, "overrides": model + document_data(_DOCUMENTS) + strategy + ["trainer.devices=2"]}
+                   for name, (model, strategy) in DOCUMENTS.items()]
+    POOL.add("context_parallel", _nproc, _batch, prepare=_write_documents if _nproc == 2 else None)
+# reads the 2-process launch's checkpoint: a launch after it
+POOL.add("context_parallel", 4, [{"name": "tp_dp-from-cp2", "overrides": BASE + TP_DP + [
+    f"resume={half_checkpoint(_OUT / 'np2' / 'cp2-straight')}"]}], stage=1)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Path:
     for nproc in (2, 4, 8):
-        batch = [{"name": name, "overrides": model + LOOP + strategy + [f"trainer.devices={nproc}"]}
-                 for name, (model, strategy, procs) in PARITY.items() if procs == nproc]
-        if nproc == 2:
-            batch += exact_resume_runs("cp2", CP2, out / "np2")
-            batch += [{"name": name, "overrides": model + document_data(out) + strategy + ["trainer.devices=2"]}
-                      for name, (model, strategy) in DOCUMENTS.items()]
-        if nproc == 4:
-            batch.append({"name": "tp_dp-from-cp2", "overrides": BASE + TP_DP + [
-                f"resume={half_checkpoint(out / 'np2' / 'cp2-straight')}"]})
-        launch_harness(out, nproc, batch)
+        POOL.ensure(nproc, "context_parallel")
+    out = POOL.ensure(4, "context_parallel", stage=1)
     references = {name: model + LOOP for name, model in REFERENCES.items()}
-    references.update({name: model + document_data(out) for name, model in DOCUMENT_REFERENCES.items()})
+    references.update({name: model + document_data(_DOCUMENTS) for name, model in DOCUMENT_REFERENCES.items()})
     for name, overrides in references.items():
         trainer = build_trainer(compose(overrides), out / name)
         trainer.fit()

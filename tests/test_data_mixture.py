@@ -296,7 +296,7 @@ def test_megatron_and_nanogpt_files_train_like_our_format(tmp_path: Path) -> Non
 def test_mixture_on_2_ddp_processes_matches_one_process_and_resumes_its_checkpoint(tmp_path: Path) -> None:
     """One 2-process launch: the mixture trained with ddp gives the single-process losses, and a ddp run
     resumed from a single-process checkpoint (another data-parallel size) continues them."""
-    from tests.test_strategies import launch_harness
+    from tests.launch_pool import launch_harness
 
     a, b = token_dir(tmp_path, "a", docs=80), token_dir(tmp_path, "b", docs=80, seed=1)
     mix = ["data=mixture", f"data.sources=[{{path: {a}, weight: 0.6}}, {{path: {b}, weight: 0.4, name: bee}}]",

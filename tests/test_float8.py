@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.launch_pool import POOL
 from trainer.config import ConfigError, compose, validate
 
 pytest.importorskip("torchao.float8", reason="precision=fp8 needs torchao (the dev and fp8 extras install it)")
@@ -118,14 +119,15 @@ def _column(run_dir: Path, name: str) -> dict[int, float]:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 
 
+POOL.add("float8", 2, [{"name": name, "overrides": MODEL + LOOP + SHORT + overrides + ["trainer.devices=2"]}
+                        for name, (overrides, *_) in PARALLEL.items()])
+
+
 @pytest.fixture(scope="module")
-def fp8_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+def fp8_runs() -> Path:
     from trainer.run import build_trainer
 
-    out = tmp_path_factory.mktemp("fp8")
-    launch_harness(out, 2, [{"name": name, "overrides": MODEL + LOOP + SHORT + overrides + ["trainer.devices=2"]}
-                            for name, (overrides, *_) in PARALLEL.items()])
+    out = POOL.ensure(2, "float8")
     singles = {"bf16_long": ["precision=bf16", *LONG], "tensorwise_long": [*FP8, *LONG],
                "rowwise_long": [*FP8, "precision.recipe=rowwise", *LONG],
                "tensorwise_short": [*FP8, *SHORT], "rowwise_short": [*FP8, "precision.recipe=rowwise", *SHORT]}
@@ -159,4 +161,4 @@ def test_fp8_under_parallelism_reproduces_its_reference(fp8_runs: Path, name: st
     assert _column(run_dir, "train_loss") == pytest.approx(_column(reference, "train_loss"), rel=loss_rtol)
     assert _column(run_dir, "grad_norm") == pytest.approx(_column(reference, "grad_norm"), rel=norm_rtol)
     if name == "zero3_float8_gather":
-        assert "with float8 all-gather" in (fp8_runs / "np2" / "train.log").read_text()
+        assert "with float8 all-gather" in (run_dir / "train.log").read_text()

@@ -20,6 +20,7 @@ from trainer.config import compose
 from trainer.models import build_meta_model, build_model
 from trainer.models.llama import LlamaConfig
 from trainer.models.moe import MoE, aux_loss_grad_scale_set, collect_moe_stats, update_router_biases
+from tests.launch_pool import POOL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -246,24 +247,27 @@ def _metric(run_dir: Path, name: str) -> dict[int, float]:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 
 
+_OUT = POOL.directory("moe")
+for _nproc in (2, 4):
+    _batch = [{"name": name, "overrides": MOE + LOOP + strategy + [f"trainer.devices={_nproc}",
+                                                                    f"trainer.micro_batch_size={micro}"]}
+              for name, (strategy, procs, micro) in PARITY.items() if procs == _nproc]
+    if _nproc == 2:
+        _saved = _OUT / "np2" / "ep2-straight" / "checkpoints" / "step_00000020"
+        _batch += [
+            {"name": "ep2-straight", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [
+                "callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=20"]},
+            {"name": "ep2-resumed", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [f"resume={_saved}"]},
+        ]
+    POOL.add("moe", _nproc, _batch)
+
+
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+def moe_runs() -> Path:
     from trainer.run import build_trainer
 
-    out = tmp_path_factory.mktemp("moe")
     for nproc in (2, 4):
-        batch = [{"name": name, "overrides": MOE + LOOP + strategy + [f"trainer.devices={nproc}",
-                                                                       f"trainer.micro_batch_size={micro}"]}
-                 for name, (strategy, procs, micro) in PARITY.items() if procs == nproc]
-        if nproc == 2:
-            saved = out / "np2" / "ep2-straight" / "checkpoints" / "step_00000020"
-            batch += [
-                {"name": "ep2-straight", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [
-                    "callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=20"]},
-                {"name": "ep2-resumed", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [f"resume={saved}"]},
-            ]
-        launch_harness(out, nproc, batch)
+        out = POOL.ensure(nproc, "moe")
     for micro in (8, 4):
         trainer = build_trainer(compose(MOE + LOOP + [f"trainer.micro_batch_size={micro}"]), out / f"single{micro}")
         trainer.fit()

@@ -13,9 +13,6 @@ import csv
 import dataclasses
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.launch_pool import POOL
 from trainer.plugins.strategies.pipeline import PipelineParallel, split_model, stage_indices_of_rank, stage_layer_ranges
 from trainer.config import compose
 from trainer.models import build_meta_model
@@ -182,43 +180,22 @@ def column(run_dir: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
 
 
-def start_harness(out: Path, nproc: int, runs: list[dict]) -> subprocess.Popen:
-    spec = out / f"spec_{nproc}.json"
-    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(out / f"launch_{nproc}.log", "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "distributed_harness.py"), str(spec)],
-        stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-    )
+for _nproc, _named in RUNS.items():
+    POOL.add("pipeline", _nproc, [
+        {"name": name, "overrides": MODELS[model] + LOOP + SCHEDULES[schedule]
+         + ["strategy=pp", f"pp={_nproc}", f"trainer.devices={_nproc}"]}
+        for name, (model, schedule) in _named.items()
+    ])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pipeline")
-    # Both world sizes at once, and the references meanwhile: most of a launch is processes starting and
-    # importing, which overlaps well even on 2 cores (about half the wall time of running them in turn).
-    launches = {
-        nproc: start_harness(out, nproc, [
-            {"name": name, "overrides": MODELS[model] + LOOP + SCHEDULES[schedule]
-             + ["strategy=pp", f"pp={nproc}", f"trainer.devices={nproc}"]}
-            for name, (model, schedule) in named.items()
-        ])
-        for nproc, named in RUNS.items()
-    }
-    try:
-        for model, overrides in MODELS.items():  # the references: one process, same global batch
-            trainer = build_trainer(compose(overrides + LOOP), out / model)
-            (out / model / "summary.json").write_text(json.dumps(trainer.fit()))
-            torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / model / "weights.pt")
-        for nproc, process in launches.items():
-            returncode = process.wait(timeout=900)
-            assert returncode == 0, (out / f"launch_{nproc}.log").read_text()[-6000:]
-    finally:
-        for process in launches.values():
-            if process.poll() is None:
-                process.kill()
+def runs() -> Path:
+    for nproc in RUNS:
+        out = POOL.ensure(nproc, "pipeline")
+    for model, overrides in MODELS.items():  # the references: one process, same global batch
+        trainer = build_trainer(compose(overrides + LOOP), out / model)
+        (out / model / "summary.json").write_text(json.dumps(trainer.fit()))
+        torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / model / "weights.pt")
     return out
 
 

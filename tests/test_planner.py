@@ -18,6 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.launch_pool import POOL
 from trainer.config import compose, validate
 from trainer.models import GPTConfig, build_meta_model, build_model
 from trainer.planner import HardwareConfig, plan
@@ -200,15 +201,13 @@ MEASURED = {
 }
 
 
-@pytest.fixture(scope="module")
-def measured_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+POOL.add("planner", 2, [{"name": name, "overrides": SMALL + ["trainer.devices=2"] + overrides}
+                         for name, overrides in MEASURED.items()])
 
-    out = tmp_path_factory.mktemp("planner_runs")
-    runs = [{"name": name, "overrides": SMALL + ["trainer.devices=2"] + overrides}
-            for name, overrides in MEASURED.items()]
-    launch_harness(out, 2, runs)
-    return out / "np2"
+
+@pytest.fixture(scope="module")
+def measured_runs() -> Path:
+    return POOL.ensure(2, "planner") / "np2"
 
 
 @pytest.mark.slow

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from tests.launch_pool import POOL
 from trainer.plugins.precision import BF16Mixed, BF16True, DynamicLossScaler, FP16Mixed, FP32MasterWeights, FP32Precision
 from trainer.plugins.precision.scaler import unscale_and_check_
 from trainer.config import ConfigError, compose, validate
@@ -238,32 +236,23 @@ def column(run_dir: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
 
 
+_OUT = POOL.directory("precision")
+POOL.add("precision", 2, [{"name": name, "overrides": SMALL + OVERFLOW_LOOP + strategy + [
+    "+callbacks.overflow._target_=tests.helpers.InjectOverflow",
+    f"+callbacks.overflow.directory={_OUT / 'overflow' / name}",
+    f"+callbacks.overflow.step={OVERFLOW_STEP}", f"+callbacks.overflow.rank={OVERFLOW_RANK}"]}
+    for name, strategy in OVERFLOW_RUNS.items()])
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("precision")
-    specs = [{"name": name, "overrides": SMALL + OVERFLOW_LOOP + strategy + [
-        "+callbacks.overflow._target_=tests.helpers.InjectOverflow",
-        f"+callbacks.overflow.directory={out / 'overflow' / name}",
-        f"+callbacks.overflow.step={OVERFLOW_STEP}", f"+callbacks.overflow.rank={OVERFLOW_RANK}"]}
-        for name, strategy in OVERFLOW_RUNS.items()]
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out / "np2"), "runs": specs}))
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "distributed_harness.py"), str(spec)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def runs() -> Path:
+    out = POOL.ensure(2, "precision")
     threads = torch.get_num_threads()  # trainer.num_threads=1 sets it for this whole process
     try:
-        for name, options in CURVES.items():  # meanwhile, on the other core
+        for name, options in CURVES.items():
             build_trainer(compose(CURVE_LOOP + [f"precision={name}"] + options), out / "curves" / name).fit()
-        output, _ = launch.communicate(timeout=900)
     finally:
         torch.set_num_threads(threads)
-        if launch.poll() is None:
-            launch.kill()
-    assert launch.returncode == 0, output[-6000:]
     return out
 
 

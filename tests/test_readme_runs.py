@@ -64,7 +64,9 @@ TOOLS = ("trainer.sweep", "trainer.plot", "trainer.checkpoint.hf", "trainer.data
 
 INSTALL = "installs the package under test into this environment; CI runs this install before the suite"
 NOT_RUN = {
+    "python -m venv .venv": "creates a virtual environment; CI (.ci/run) runs the suite in a new one",
     "pip install -c constraints-cpu.txt -e .": INSTALL,
+    'pip install -c constraints.txt -e ".[dev]"': INSTALL,
     'pip install -c constraints-cpu.txt -e ".[dev]"': INSTALL,
     "pip install -e .": INSTALL,
     'pip install -e ".[data]"': INSTALL,
@@ -493,7 +495,7 @@ class Runner:
         return args
 
     def launch(self, world: int, runs: list[tuple[str, dict[str, Any]]]) -> None:
-        from tests.test_strategies import launch_harness
+        from tests.launch_pool import launch_harness
 
         try:
             launch_harness(self.out, world, [run for _, run in runs])

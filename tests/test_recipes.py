@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
+from tests.launch_pool import POOL
 from trainer.config import RECIPES_DIR, compose, data_parallel_size, validate
 from trainer.planner import plan
 
@@ -100,15 +101,13 @@ def _tiny_model(name: str) -> list[str]:
     return TINY_MOE if name.startswith("mixtral") else TINY_LLAMA
 
 
-@pytest.fixture(scope="module")
-def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+POOL.add("recipes", 2, [{"name": name, "overrides": [f"recipe={name}", *_tiny_model(name), *TINY,
+                                                       *SCALED.get(name, [])]} for name in RECIPES])
 
-    out = tmp_path_factory.mktemp("recipes")
-    runs = [{"name": name, "overrides": [f"recipe={name}", *_tiny_model(name), *TINY,
-                                         *SCALED.get(name, [])]} for name in RECIPES]
-    launch_harness(out, 2, runs)
-    return out / "np2"
+
+@pytest.fixture(scope="module")
+def tiny_runs() -> Path:
+    return POOL.ensure(2, "recipes") / "np2"
 
 
 @pytest.mark.slow

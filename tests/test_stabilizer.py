@@ -15,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.launch_pool import POOL
 from trainer.plugins.callbacks.stabilizer import LossSpikeStabilizer, SpikeDetector, TrainingDiverged
 from trainer.plugins.precision import Precision
 from trainer.plugins.strategies import SingleDevice
@@ -286,25 +287,23 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_strategies import launch_harness
+_ROOT = POOL.directory("stabilizer") / "np2"
+# event 1: a NaN in rank 1's gradients at step 10 (skip); event 2: a spike in rank 0's half of
+# global batch 13 at step 14 (escalates to rollback)
+_INJECTIONS = helper("nan", "InjectNaN", step=10, rank=1) + helper("spike", "InjectSpike", batch=13, rank=0)
+POOL.add("stabilizer", 2, [
+    {"name": "rollback", "overrides": MODEL + LOOP + ROLLBACK + _INJECTIONS
+     + helper("record", "RecordSteps", directory=_ROOT / "rollback")
+     + helper("compare", "CompareAfterRollback", directory=_ROOT / "rollback", step=12)},
+    {"name": "resume", "overrides": MODEL + LOOP + ROLLBACK + _INJECTIONS
+     + helper("record", "RecordSteps", directory=_ROOT / "resume")
+     + [f"resume={_ROOT / 'rollback' / 'checkpoints' / 'step_00000012'}"]},
+])
 
-    out = tmp_path_factory.mktemp("stabilizer")
-    root = out / "np2"
-    # event 1: a NaN in rank 1's gradients at step 10 (skip); event 2: a spike in rank 0's half of
-    # global batch 13 at step 14 (escalates to rollback)
-    injections = helper("nan", "InjectNaN", step=10, rank=1) + helper("spike", "InjectSpike", batch=13, rank=0)
-    specs = [
-        {"name": "rollback", "overrides": MODEL + LOOP + ROLLBACK + injections
-         + helper("record", "RecordSteps", directory=root / "rollback")
-         + helper("compare", "CompareAfterRollback", directory=root / "rollback", step=12)},
-        {"name": "resume", "overrides": MODEL + LOOP + ROLLBACK + injections
-         + helper("record", "RecordSteps", directory=root / "resume")
-         + [f"resume={root / 'rollback' / 'checkpoints' / 'step_00000012'}"]},
-    ]
-    launch_harness(out, 2, specs)
-    return root
+
+@pytest.fixture(scope="module")
+def runs() -> Path:
+    return POOL.ensure(2, "stabilizer") / "np2"
 
 
 @pytest.mark.slow

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from tests.launch_pool import POOL
 from trainer.config import compose
 from trainer.run import build_trainer
 
@@ -65,29 +63,18 @@ def losses(run_dir: Path, column: str = "train_loss") -> list[float]:
         return [float(r[column]) for r in csv.DictReader(f) if r.get(column)]
 
 
-def launch_harness(out: Path, nproc: int, runs: list[dict], count_collectives: bool = False) -> None:
-    """All `runs` in one torchrun launch of `nproc` processes (tests/distributed_harness.py); with
-    `count_collectives`, each summary counts rank 0's collectives (`collective_calls`)."""
-    spec = out / f"spec_{nproc}.json"
-    out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs, "count_collectives": count_collectives}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "distributed_harness.py"), str(spec)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+# One run per strategy and world size, in the session's shared launches (tests/launch_pool.py).
+for _nproc, _names in STRATEGIES.items():
+    POOL.add("strategies", _nproc, [{"name": name, "overrides": MODEL + LOOP + STRATEGY_OVERRIDES[name] + [
+        f"trainer.devices={_nproc}", f"trainer.micro_batch_size={16 // (2 * _nproc)}"]} for name in _names],
+        count_collectives=True)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("strategies")
-    for nproc, names in STRATEGIES.items():
-        micro = 16 // (2 * nproc)
-        runs = [{"name": name, "overrides": MODEL + LOOP + STRATEGY_OVERRIDES[name] + [
-            f"trainer.devices={nproc}", f"trainer.micro_batch_size={micro}"]} for name in names]
-        launch_harness(out, nproc, runs, count_collectives=True)
+def runs() -> Path:
+    for nproc in STRATEGIES:
+        POOL.ensure(nproc, "strategies")
+    out = POOL.directory("strategies")
     # the single-process reference, same global batch (16) as 2 micro-batches of 8
     reference = build_trainer(compose(MODEL + LOOP + ["trainer.micro_batch_size=8"]), out / "single")
     reference.fit()
@@ -183,8 +170,9 @@ def test_compressed_gradients_train_close_to_exact(runs: Path) -> None:
 
 @pytest.mark.slow
 def test_offload_on_cpu_says_once_that_it_changes_nothing(runs: Path) -> None:
-    log = (runs / "np2" / "train.log").read_text()
-    assert log.count("offloading changes nothing here") == 1
+    logs = {name: (runs / "np2" / name / "train.log").read_text().count("offloading changes nothing here")
+            for name in STRATEGIES[2]}
+    assert logs == {name: int(name == "zero3_offload") for name in STRATEGIES[2]}
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 
 from trainer.config import compose
 from trainer.run import build_trainer
-from tests.test_strategies import launch_harness
+from tests.launch_pool import POOL
 
 pytestmark = pytest.mark.slow
 
@@ -76,16 +76,20 @@ def reference(out: Path, name: str, model: list[str]) -> None:
     torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / name / "weights.pt")
 
 
+_OUT = POOL.directory("tensor_parallel")
+for _nproc, _named in RUNS.items():
+    POOL.add("tensor_parallel", _nproc, [
+        {"name": name, "overrides": model_overrides(model) + LOOP + strategy
+         + ["strategy=tp", f"tp={_nproc}", f"trainer.devices={_nproc}"]
+         + (REPLICATED + [f"+callbacks.replicated.directory={_OUT / name}"] if "dropout" in name else [])}
+        for name, (strategy, model) in _named.items()
+    ])
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tensor_parallel")
-    for nproc, named in RUNS.items():
-        launch_harness(out, nproc, [
-            {"name": name, "overrides": model_overrides(model) + LOOP + strategy
-             + ["strategy=tp", f"tp={nproc}", f"trainer.devices={nproc}"]
-             + (REPLICATED + [f"+callbacks.replicated.directory={out / name}"] if "dropout" in name else [])}
-            for name, (strategy, model) in named.items()
-        ])
+def runs() -> Path:
+    for nproc in RUNS:
+        out = POOL.ensure(nproc, "tensor_parallel")
     reference(out, "single", [])
     reference(out, "single_tied", TIED)
     reference(out, "single_gpt", GPT)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch_pool import POOL
 from tests.test_checkpoint import THREE_D, assert_exact_resume, exact_resume_runs
-from tests.test_strategies import launch_harness
 from trainer.config import compose
 from trainer.run import build_trainer
 
@@ -50,13 +50,15 @@ def reference(out: Path, name: str, model: list[str]) -> None:
     torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / name / "weights.pt")
 
 
+POOL.add("three_d", 8, [
+    *({"name": name, "overrides": model + LOOP + strategy} for name, (model, strategy) in PARITY.items()),
+    *exact_resume_runs("3d", THREE_D, POOL.directory("three_d") / "np8"),
+], count_collectives=True)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("three_d")
-    launch_harness(out, 8, [
-        *({"name": name, "overrides": model + LOOP + strategy} for name, (model, strategy) in PARITY.items()),
-        *exact_resume_runs("3d", THREE_D, out / "np8"),
-    ], count_collectives=True)
+def runs() -> Path:
+    out = POOL.ensure(8, "three_d")
     reference(out, "single", MODEL)
     reference(out, "single_gpt", GPT)
     return out

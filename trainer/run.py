@@ -5,13 +5,15 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from hydra.utils import instantiate
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import seed_everything
+from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import checkpoint_directory, resume, save_checkpoint
@@ -30,6 +32,18 @@ from trainer.planner.accumulation import AccumulationChoice, choose_grad_sync, t
 from trainer.planner.core import hardware_from_config
 
 log = logging.getLogger("trainer")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators as Lightning's `seed_everything` does (the same calls,
+    so the same streams). Not Lightning's own: importing `lightning` pulls torchmetrics, scipy and
+    torch._dynamo and costs every process about three times torch's own import (measured with
+    `python -X importtime`), seconds per rank at every start; `rank_zero_only` comes from
+    lightning_utilities, the package Lightning re-exports it from, for the same reason."""
+    os.environ["PL_GLOBAL_SEED"] = str(seed)  # what Lightning's spawned subprocesses read
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # every device's default generator, CUDA's included
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, start_step: int = 0) -> list[Any]:
@@ -106,7 +120,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
     strategy.connect_precision(instantiate(cfg.precision))
     settle_grad_sync(cfg, strategy)
-    seed_everything(t.seed, verbose=False)
+    seed_everything(t.seed)
 
     # Built on the meta device: nothing is allocated until the strategy has placed it.
     model = build_meta_model(OmegaConf.to_object(cfg.model))

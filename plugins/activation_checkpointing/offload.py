@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from lightning.fabric.utilities.throughput import Throughput
 
 from trainer.callback import Callback
 from trainer.hardware import peak_memory_bytes
 
 if TYPE_CHECKING:
+    from lightning.fabric.utilities.throughput import Throughput
+
     from trainer.loop import Trainer
 
 log = logging.getLogger("trainer")
@@ -112,6 +113,10 @@ class ThroughputMonitor(Callback):
             raise ValueError(f"comm_every must be >= 0 (0: never profile), got {node.comm_every}")
 
     def _start_interval(self, trainer: "Trainer") -> None:
+        # Imported here, not at the top: importing lightning costs seconds per process (see
+        # trainer.run.seed_everything), paid only by runs that monitor throughput.
+        from lightning.fabric.utilities.throughput import Throughput
+
         # A window of two marks: the previous logged step and this one, i.e. exactly the loop's interval.
         self._throughput = Throughput(available_flops=trainer.peak_flops * trainer.strategy.world_size,
                                       world_size=1, window_size=2)

@@ -1,0 +1,153 @@
+"""One torchrun launch per world size for the multi-process runs of the whole session.
+
+Starting N processes costs seconds each on a 2-core machine (torch's import, the rendezvous), so the test
+modules do not launch their own: each registers its runs with `POOL.add` when it is imported (at
+collection), and its module fixture calls `POOL.ensure(world)`, which launches every run registered for
+that world size by every collected module in one torchrun launch of tests/distributed_harness.py, the
+first time any module asks. A run writes into `<module directory>/np<world>/<name>` as the modules'
+own launches did. Runs that read what a launch of another world size wrote (a checkpoint resumed under
+another layout) are registered with `stage=1`: every stage-0 launch runs before any stage-1 launch.
+
+A launch that fails (a run raised, a rank died) is not the end of the others' runs: the run that was in
+progress is recorded as failed with the launch's output, and the runs after it are launched again. A
+module whose runs failed gets the recorded output from `ensure`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+HARNESS = REPO / "tests" / "distributed_harness.py"
+LAUNCH_TIMEOUT_S = 3600
+
+
+@dataclass
+class Batch:
+    """The runs one module registered for one world size and stage."""
+
+    module: str
+    world: int
+    stage: int
+    runs: list[dict[str, Any]]
+    prepare: Optional[Callable[[], None]] = None  # writes what the runs read (data files), before the launch
+    failures: dict[str, str] = field(default_factory=dict)  # run name -> the launch's output
+
+
+class LaunchPool:
+    """The session's multi-process runs, launched once per (stage, world size)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.batches: list[Batch] = []
+        self.launched: set[tuple[int, int]] = set()  # (stage, world)
+
+    def directory(self, module: str) -> Path:
+        """Where a module's runs write: `<root>/<module>/np<world>/<name>`."""
+        return self.root / module
+
+    def add(self, module: str, world: int, runs: list[dict[str, Any]], *, stage: int = 0,
+            prepare: Optional[Callable[[], None]] = None, count_collectives: bool = False) -> Path:
+        """Register `runs` (each `{"name", "overrides"}`) for a launch of `world` processes; with
+        `count_collectives` each summary gets rank 0's collectives (tests/distributed_harness.py).
+        Returns the module's directory."""
+        if (stage, world) in self.launched:
+            raise RuntimeError(f"{module}: runs added to a launch of {world} processes (stage {stage}) that "
+                               "already ran; register them when the module is imported")
+        out = self.directory(module) / f"np{world}"
+        names = [run["name"] for run in runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{module}: run names repeat: {names}")
+        self.batches.append(Batch(module, world, stage, [
+            {**run, "dir": str(out / run["name"]), "count_collectives": count_collectives} for run in runs],
+            prepare))
+        return self.directory(module)
+
+    def ensure(self, world: int, module: str, stage: int = 0) -> Path:
+        """Launch (once) everything registered for `world` processes at `stage`, after every earlier stage,
+        and fail if one of `module`'s runs there failed. Returns `module`'s directory."""
+        for earlier in sorted({b.stage for b in self.batches if b.stage < stage}):
+            for other in sorted({b.world for b in self.batches if b.stage == earlier}):
+                self._launch(other, earlier)
+        self._launch(world, stage)
+        failed = {name: output for batch in self.batches
+                  if (batch.module, batch.world, batch.stage) == (module, world, stage)
+                  for name, output in batch.failures.items()}
+        if failed:
+            name, output = next(iter(failed.items()))
+            raise AssertionError(f"{module}: run(s) {sorted(failed)} of the {world}-process launch failed; "
+                                 f"the launch's output while '{name}' ran:\n{output}")
+        return self.directory(module)
+
+    def _launch(self, world: int, stage: int) -> None:
+        if (stage, world) in self.launched:
+            return
+        if not self.launched:  # the session's first launch: a directory of an earlier process's pid goes
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.launched.add((stage, world))
+        batches = [b for b in self.batches if (b.world, b.stage) == (world, stage)]
+        for batch in batches:
+            if batch.prepare is not None:
+                batch.prepare()
+        pending = [(batch, run) for batch in batches for run in batch.runs]
+        attempt = 0
+        while pending:
+            output, done = self._torchrun(world, stage, attempt, [run for _, run in pending])
+            if done == len(pending):
+                return
+            # the run in progress failed (or took its launch down): record it, go on after it
+            batch, run = pending[done]
+            batch.failures[run["name"]] = output
+            pending = pending[done + 1:]
+            attempt += 1
+
+    def _torchrun(self, world: int, stage: int, attempt: int, runs: list[dict[str, Any]]) -> tuple[str, int]:
+        """One torchrun launch of `runs`; the launch's output tail and how many runs completed."""
+        spec = self.root / f"spec_np{world}_stage{stage}_{attempt}.json"
+        spec.parent.mkdir(parents=True, exist_ok=True)
+        spec.write_text(json.dumps({"out": str(self.root / f"logs_np{world}_stage{stage}_{attempt}"),
+                                    "runs": runs}))
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                 str(HARNESS), str(spec)],
+                capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                timeout=LAUNCH_TIMEOUT_S)
+            output = result.stdout[-3000:] + result.stderr[-6000:]
+        except subprocess.TimeoutExpired as timeout:
+            output = f"timed out after {LAUNCH_TIMEOUT_S} s\n{timeout.stderr or ''}"[-6000:]
+        done = 0
+        while done < len(runs) and (Path(runs[done]["dir"]) / "summary.json").exists():
+            done += 1
+        return output, done
+
+
+def launch_harness(out: Path, nproc: int, runs: list[dict], count_collectives: bool = False) -> None:
+    """All `runs` in a launch of their own of `nproc` processes, writing `<out>/np<nproc>/<name>`: for runs
+    that must start from what the test process made just before (the pool launches before any test)."""
+    spec = out / f"spec_{nproc}.json"
+    out.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs, "count_collectives": count_collectives}))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         str(HARNESS), str(spec)],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+# Named, not made, at import: the launched workers import test modules too (their callbacks), and must not
+# leave directories behind. The first launch makes it; tests/conftest.py removes it when the session ends.
+POOL = LaunchPool(Path(tempfile.gettempdir()) / f"trainer-launches-{os.getpid()}")
+
+
+def remove_pool() -> None:
+    shutil.rmtree(POOL.root, ignore_errors=True)
