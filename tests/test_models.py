@@ -209,7 +209,7 @@ def test_build_model_accepts_structured_dictconfig(tiny_config: LlamaConfig) -> 
     assert isinstance(model, Llama)
     assert isinstance(build_meta_model(small_gpt_config()), GPT)
     with pytest.raises(TypeError):
-        build_model({"_target_": "trainer.models.llama.Llama"})  # type: ignore[arg-type]
+        build_model({"_target_": "trainer.models.Llama"})  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- attention

@@ -271,3 +271,18 @@ def test_fused_kernel_only_where_it_runs_and_not_against_the_users_choice() -> N
             optimizer.step()
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("target, options, states", [
+    ("torch.optim.AdamW", {"betas": [0.9, 0.95]}, 2),  # exp_avg, exp_avg_sq
+    ("torch.optim.AdamW", {"amsgrad": True}, 3),  # + max_exp_avg_sq
+    ("torch.optim.SGD", {"momentum": 0.9}, 1),
+    ("torch.optim.SGD", {"momentum": 0.0}, 0),
+    ("torch.optim.Adagrad", {}, 1),  # `sum`: its name says nothing of it
+])
+def test_the_planner_counts_an_optimizers_states_from_the_optimizer_not_its_name(
+        target: str, options: dict, states: int) -> None:
+    from trainer.optim import optimizer_state_tensors
+
+    cfg = OmegaConf.create({"_target_": target, "_partial_": True, "lr": 0.01, "weight_decay": 0.1, **options})
+    assert optimizer_state_tensors(cfg) == states

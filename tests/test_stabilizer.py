@@ -16,6 +16,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.launch_pool import POOL
+from trainer.callback import CheckpointProvider, MissingCallbackError, connect_callbacks
+from trainer.plugins.callbacks import CheckpointManager
 from trainer.plugins.callbacks.stabilizer import LossSpikeStabilizer, SpikeDetector, TrainingDiverged
 from trainer.plugins.precision import Precision
 from trainer.plugins.strategies import SingleDevice
@@ -203,11 +205,48 @@ def test_max_events_aborts_and_ledger_round_trips(tmp_path: Path) -> None:
         trainer.attempt(restored, 9.0)  # the count survives the round trip
 
 
-def test_rollback_without_a_checkpoint_falls_back_to_skip(tmp_path: Path) -> None:
-    trainer, stab = StandIn(tmp_path), stabilizer(actions=["rollback"])
+class NothingSavedYet(CheckpointProvider):
+    """A checkpoint provider with no complete checkpoint; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[int | None] = []
+
+    def resolve_directory(self, run_dir: Path | str) -> Path:
+        return Path(run_dir) / "checkpoints"
+
+    def latest_checkpoint(self, trainer: Any, before_step: int | None = None) -> Path | None:
+        self.asked.append(before_step)
+        return None
+
+
+def test_rollback_asks_the_provider_and_without_a_checkpoint_falls_back_to_skip(tmp_path: Path) -> None:
+    trainer, stab, provider = StandIn(tmp_path), stabilizer(actions=["rollback"]), NothingSavedYet()
+    connect_callbacks([stab, provider])  # what Trainer.fit does before on_fit_start
     warm(trainer, stab)
     assert trainer.attempt(stab, 9.0)[0]
+    assert provider.asked == [6]  # a checkpoint from before the spike's step
     assert stab.events[-1]["action"] == "skip" and "no complete checkpoint" in stab.events[-1]["note"]
+
+
+def test_rollback_needs_exactly_one_checkpoint_provider() -> None:
+    """Declared, not searched for: validation refuses rollback without the checkpoint manager in one line,
+    and so does connecting the callbacks of a run built without validation."""
+    message = ("actions include rollback, which restores the latest checkpoint, but no callback of the run is a "
+               "CheckpointProvider: add the checkpoint manager (callbacks=[default,stabilizer,checkpoint]) or drop "
+               "rollback from callbacks.stabilizer.actions")
+    with pytest.raises(ConfigError) as error:
+        validate(compose(["callbacks=[default,stabilizer]"]))  # rollback is among the default actions
+    assert (error.value.key, error.value.message) == ("callbacks.stabilizer", message)
+    validate(compose(["callbacks=[default,stabilizer,checkpoint]"]))
+    validate(compose(["callbacks=[default,stabilizer]", "callbacks.stabilizer.actions=[skip,cooldown,abort]"]))
+    with pytest.raises(MissingCallbackError) as missing:
+        connect_callbacks([stabilizer()])
+    assert str(missing.value) == message
+    with pytest.raises(MissingCallbackError, match=r"2 callbacks are CheckpointProviders \(CheckpointManager, "
+                                                   r"NothingSavedYet\): keep one"):
+        connect_callbacks([stabilizer(), CheckpointManager(), NothingSavedYet()])
+    skip_only = stabilizer(actions=["skip", "cooldown"])
+    connect_callbacks([skip_only])  # needs nothing
 
 
 def test_invalid_options_fail_validation() -> None:

@@ -99,7 +99,7 @@ def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], A
         # previous attempt's process-group addresses and fail to connect ("Connection refused"): a fresh
         # store per attempt (hosted by worker 0) avoids that.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        if not any("CheckpointManager" in str(node.get("_target_", "")) for node in cfg.callbacks.values()):
+        if not any(_is_checkpoint_provider(node) for node in cfg.callbacks.values()):
             log.warning("trainer.max_restarts is set but no checkpoint manager saves the run "
                         "(callbacks=[default,checkpoint]): restarted workers start again from step 0")
     config = LaunchConfig(
@@ -119,6 +119,16 @@ def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], A
     log.info(f"launching {int(t.devices)} worker(s) on this node ({nodes} node(s), "
              f"{world_size(cfg)} processes, {threads} thread(s) each)")
     elastic_launch(config, worker_main)(resolved, str(run_dir), train)
+
+
+def _is_checkpoint_provider(node: DictConfig) -> bool:
+    """Whether the callback `node` configures saves the run's checkpoints (validation resolved its class)."""
+    from hydra.utils import get_object
+
+    from trainer.callback import CheckpointProvider
+
+    callback_class = get_object(str(node._target_))
+    return isinstance(callback_class, type) and issubclass(callback_class, CheckpointProvider)
 
 
 def describe_failure(error: ChildFailedError) -> str:

@@ -11,14 +11,14 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
-from trainer.callback import Callback
+from trainer.callback import Callback, connect_callbacks
 from trainer.config.schema import TrainerConfig
-from trainer.data.loader import SourceValidation
+from trainer.data.loader import SourceValidation, TrainLoader
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
@@ -40,7 +40,7 @@ class Trainer:
         model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        train_loader: Iterator[MicroBatches],
+        train_loader: TrainLoader,
         val_set: MicroBatches | SourceValidation,
         total_steps: int,
         tokens_per_step: int,
@@ -57,6 +57,9 @@ class Trainer:
         self.model_parts = model_parts
         self.optimizer = optimizer  # built by the strategy, which also handed it to the precision plugin
         self.scheduler = scheduler
+        if not isinstance(train_loader, TrainLoader):
+            # the loop checkpoints its position and the stabilizer skips batches: a plain iterator cannot
+            raise TypeError(f"train_loader must be a trainer.data.TrainLoader, got {type(train_loader).__name__}")
         self.train_loader = train_loader
         self.val_set = val_set
         self.total_steps = total_steps
@@ -91,7 +94,7 @@ class Trainer:
         self.should_stop = False
         # The loader's position at the last step boundary: a checkpoint written while a step is under
         # way (on an exception) must not count the batch that step has already drawn.
-        self._loader_state = self._read_loader_state()
+        self._loader_state: dict[str, Any] = self.train_loader.state_dict()
 
     @property
     def is_global_zero(self) -> bool:
@@ -103,10 +106,6 @@ class Trainer:
         return self.strategy.precision
 
     # ---- checkpointed state (tensors are the checkpoint module's; this is the rest) -------------------
-    def _read_loader_state(self) -> dict[str, Any] | None:
-        state_dict = getattr(self.train_loader, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
-
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and the data position as of the last completed step (timings are per process:
         a resumed run reports its own throughput)."""
@@ -125,9 +124,9 @@ class Trainer:
         self.tokens_seen = int(state["tokens_seen"])
         self.last_train_loss = float(state.get("last_train_loss", math.nan))
         self.val_history = [(int(step), float(loss)) for step, loss in state.get("val_history", [])]
-        if state.get("loader") is not None and hasattr(self.train_loader, "load_state_dict"):
-            self.train_loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
-        self._loader_state = self._read_loader_state()
+        if state.get("loader") is not None:  # absent from a checkpoint saved without a loader position
+            self.train_loader.load_state_dict(state["loader"])
+        self._loader_state = self.train_loader.state_dict()
         self._interval = (self.train_time_s, self.tokens_seen)  # throughput is measured from here on
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -141,6 +140,10 @@ class Trainer:
         self._start_tokens = self.tokens_seen
         self._interval = (self.train_time_s, self.tokens_seen)
         wall_start = time.perf_counter()
+        # Each callback receives the implementations of the interfaces it requires (the stabilizer's
+        # rollback: the checkpoint provider); here rather than at construction, so that callbacks added
+        # after it take part, and before the try: nothing has started that on_exception would clean up.
+        connect_callbacks(self.callbacks)
         try:
             self._call("on_fit_start")
             while self.step < self.total_steps and not self.should_stop:
@@ -201,7 +204,7 @@ class Trainer:
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        self._loader_state = self._read_loader_state()
+        self._loader_state = self.train_loader.state_dict()
         end = time.perf_counter()
         self.train_time_s += end - start
         # Host-side wall times of this step's phases (on CUDA, without a synchronize they show launch

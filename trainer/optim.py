@@ -26,6 +26,7 @@ __all__ = [
     "param_groups",
     "build_optimizer",
     "optimizer_from_config",
+    "optimizer_state_tensors",
 ]
 
 # Embedding tables are lookups, not linear maps: decaying them shrinks rows of
@@ -245,6 +246,36 @@ def optimizer_from_config(cfg: DictConfig, modules: Iterable[nn.Module]) -> torc
     """Build an optimizer from an ``optimizer`` config node (e.g. ``adamw.yaml``)."""
     factory, weight_decay = optimizer_factory_from_config(cfg)
     return build_optimizer(factory, modules, weight_decay)
+
+
+# What an optimizer whose stand-in step fails is assumed to keep: Adam's two moments, the most of the
+# common optimizers, so that the memory plan errs on the safe side.
+_ASSUMED_STATE_TENSORS = 2
+
+
+@functools.lru_cache(maxsize=16)
+def _state_tensors_of(options_yaml: str) -> int:
+    factory, weight_decay = optimizer_factory_from_config(OmegaConf.create(options_yaml))
+    # A matrix (optimizers such as Muon refuse vectors) with a gradient: states are created by the first step.
+    stand_in = nn.Parameter(torch.zeros(4, 4))
+    try:
+        optimizer = factory([{"params": [stand_in], "weight_decay": weight_decay}])
+        stand_in.grad = torch.ones_like(stand_in)
+        optimizer.step()
+    except Exception:  # noqa: BLE001 - an optimizer that cannot step on CPU here is planned conservatively
+        return _ASSUMED_STATE_TENSORS
+    return sum(1 for value in optimizer.state[stand_in].values()
+               if isinstance(value, torch.Tensor) and value.shape == stand_in.shape)
+
+
+def optimizer_state_tensors(cfg: DictConfig) -> int:
+    """How many tensors the size of its parameter the configured optimizer keeps for each parameter
+    (AdamW: exp_avg and exp_avg_sq, 2; SGD with momentum: 1; plain SGD: 0), for the memory planner.
+
+    Found by stepping the optimizer once on a small stand-in parameter rather than read from the spelling
+    of its `_target_`: any class counts right, also one whose name says nothing (or misleads).
+    """
+    return _state_tensors_of(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

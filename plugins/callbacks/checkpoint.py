@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.callback import Callback
+from trainer.callback import CheckpointProvider
 from trainer.checkpoint.io import PendingCheckpoint, save_checkpoint
 from trainer.checkpoint.manifest import (
     CheckpointError,
     RetentionPolicy,
-    latest_complete_checkpoint,
+    checkpoint_step,
+    complete_checkpoints,
     remove_partial_saves,
     step_dirname,
     update_metrics,
@@ -50,11 +51,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-class CheckpointManager(Callback):
+class CheckpointManager(CheckpointProvider):
     """Saves the whole training state on a schedule, on preemption and on failure; prunes old saves.
 
-    `directory` is where checkpoints go (relative paths are under the run directory); `latest()` is the
-    most recent complete checkpoint (collective when a save may be in flight).
+    `directory` is where checkpoints go (relative paths are under the run directory). As the run's
+    `CheckpointProvider` it tells resume where they are and gives the latest complete one to the
+    callbacks that roll back to it (`latest_checkpoint`, collective).
     """
 
     def __init__(self, directory: str = "checkpoints", every_n_steps: Optional[int] = None,
@@ -139,12 +141,19 @@ class CheckpointManager(Callback):
         return self.directory
 
     # ---- queries --------------------------------------------------------------------------------------
-    def latest(self) -> Optional[Path]:
-        """The most recent complete checkpoint. Collective while an asynchronous save is in flight (it is
-        finished first, on every rank, so that all ranks see the same answer)."""
+    def latest_checkpoint(self, trainer: "Trainer", before_step: Optional[int] = None) -> Optional[Path]:
+        """The newest complete checkpoint (of a step below `before_step` when given), the same on every
+        rank. Collective: an asynchronous save still in flight is finished first on every rank (its
+        checkpoint may be the one asked for), then rank 0's listing is broadcast."""
         if self._pending is not None:
             self._finish_pending()
-        return latest_complete_checkpoint(self.directory) if self.directory is not None else None
+        found: Optional[str] = None
+        if self.directory is not None:
+            steps = [path for path in complete_checkpoints(self.directory)
+                     if before_step is None or (checkpoint_step(path) or 0) < before_step]
+            found = str(steps[-1]) if steps else None
+        chosen = trainer.strategy.broadcast_object(found)
+        return Path(chosen) if chosen is not None else None
 
     # ---- saving ---------------------------------------------------------------------------------------
     def save(self, trainer: "Trainer", reason: str, asynchronous: Optional[bool] = None) -> Path:
@@ -320,7 +329,7 @@ class CheckpointManager(Callback):
 class CheckpointManagerConfig:
     """Schema of `callbacks=[...,checkpoint]` (`callbacks.checkpoint.*`)."""
 
-    _target_: str = "trainer.plugins.callbacks.checkpoint.CheckpointManager"
+    _target_: str = "trainer.plugins.callbacks.CheckpointManager"
     # Where checkpoints go; a relative path is under the run directory.
     directory: str = "checkpoints"
     # Save every N optimizer steps (null: no step-based saves).

@@ -76,7 +76,7 @@ def communication_intervals(events: Any) -> list[tuple[float, float]]:
 class ThroughputMonitorConfig:
     """Samples/s, model FLOP/s and the step-time breakdown of each logging interval (`callbacks.throughput`)."""
 
-    _target_: str = "trainer.plugins.callbacks.monitors.ThroughputMonitor"
+    _target_: str = "trainer.plugins.callbacks.ThroughputMonitor"
     # Profile one step in every N with torch.profiler to measure communication (`comm_s`: wall time of
     # that step, its logging included, with at least one collective in flight on rank 0; it overlaps
     # forward/backward). The profiled step runs slower, which the interval's tokens/s includes: 0 (the
@@ -191,7 +191,7 @@ class ThroughputMonitor(Callback):
 class MemoryMonitorConfig:
     """Peak memory of every rank at each logged step (`callbacks.memory`)."""
 
-    _target_: str = "trainer.plugins.callbacks.monitors.MemoryMonitor"
+    _target_: str = "trainer.plugins.callbacks.MemoryMonitor"
 
 
 class MemoryMonitor(Callback):

@@ -18,10 +18,12 @@ an event the ranks exchange what each saw, so every rank records the same event 
 Actions, escalating: the n-th event within `escalation_window` step attempts takes `actions[n-1]` (the
 last one repeats). Every action drops the step's update (`trainer.skip_step`); `cooldown` also multiplies
 the learning rate of every optimizer group by `cooldown_factor` for the next `cooldown_steps` applied
-steps; `rollback` restores the CheckpointManager's latest complete checkpoint from before the spike and
-skips the data window that caused it (the spiking global batch and the `rollback_skip_batches - 1` before
-it; a batch is named by its absolute position in the data order, the same on every rank and world size);
-`abort` ends the run with `TrainingDiverged`, as does exceeding `max_events` events in all.
+steps; `rollback` restores the run's latest complete checkpoint from before the spike (asked of its
+`CheckpointProvider`, the checkpoint manager, which the stabilizer declares it needs when rollback is
+among its actions: validation refuses a config without one) and skips the data window that caused it
+(the spiking global batch and the `rollback_skip_batches - 1` before it; a batch is named by its absolute
+position in the data order, the same on every rank and world size); `abort` ends the run with
+`TrainingDiverged`, as does exceeding `max_events` events in all.
 
 The ledger (events and skipped batch positions) is this callback's `state_dict`, saved with checkpoints;
 on resume the skipped positions are handed to the data loader again. Every event is logged through
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from trainer.callback import Callback
+from trainer.callback import Callback, CheckpointProvider, Providers, Requirement
 
 if TYPE_CHECKING:
     from trainer.loop import Trainer
@@ -60,6 +62,12 @@ KINDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike", "a
 # A z-score is measured against at least this fraction of the mean: over a flat history, rounding noise
 # would otherwise be many standard deviations away.
 MIN_RELATIVE_STD = 1e-3
+# What the rollback action needs from the run's other callbacks.
+ROLLBACK_NEEDS: Requirement[CheckpointProvider] = Requirement(
+    CheckpointProvider,
+    reason="actions include rollback, which restores the latest checkpoint",
+    remedy="add the checkpoint manager (callbacks=[default,stabilizer,checkpoint]) or drop rollback from "
+           "callbacks.stabilizer.actions")
 
 
 class TrainingDiverged(RuntimeError):
@@ -195,6 +203,7 @@ class LossSpikeStabilizer(Callback):
         self._after_rollback: dict[str, float] | None = None  # a rollback's metrics, for the next step
         self._cooled: list[tuple[float, float]] = []  # (scheduled lr, cooled lr) per optimizer group
         self._trainer: Trainer | None = None
+        self._checkpoints: CheckpointProvider | None = None  # connected by the trainer when rollback is on
 
     @staticmethod
     def check_config(node: Any) -> None:
@@ -202,12 +211,20 @@ class LossSpikeStabilizer(Callback):
         options = {k: v for k, v in dict(node).items() if not str(k).startswith("_")}
         LossSpikeStabilizer(**options)
 
+    @classmethod
+    def requires(cls, node: Any) -> tuple[Requirement[Any], ...]:
+        """Rollback restores a checkpoint: it needs the run's CheckpointProvider."""
+        actions = node.get("actions", LossSpikeStabilizerConfig().actions)
+        return (ROLLBACK_NEEDS,) if "rollback" in list(actions) else ()
+
+    def connect(self, providers: Providers) -> None:
+        """Keep the run's checkpoint provider when rollback is among the actions (MissingCallbackError
+        without one: a rollback could not happen)."""
+        self._checkpoints = providers.require(ROLLBACK_NEEDS) if "rollback" in self.actions else None
+
     # ---- hooks ------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: "Trainer") -> None:
         self._trainer = trainer
-        if "rollback" in self.actions and not hasattr(trainer.train_loader, "skip"):
-            raise TypeError(f"the stabilizer's rollback skips data, but the training loader "
-                            f"{type(trainer.train_loader).__name__} has no skip(positions)")
         self._apply_ledger()
 
     def on_before_optimizer_step(self, trainer: "Trainer", optimizer: torch.optim.Optimizer) -> None:
@@ -314,7 +331,7 @@ class LossSpikeStabilizer(Callback):
         event: dict[str, Any] = {
             "step": trainer.step + 1,  # the step this update would have completed, as the loop logs it
             "attempt": self.attempts,
-            "batch": getattr(trainer.train_loader, "last_position", None),  # absolute global batch index
+            "batch": trainer.train_loader.last_position,  # absolute global batch index
             "action": action,
             "kinds": kinds,
             **found[kinds[0]],  # value, reference, score, test, ranks of the first kind
@@ -363,28 +380,17 @@ class LossSpikeStabilizer(Callback):
         event["rolled_back_to"] = {"path": str(path), "step": trainer.step}
         self._apply_ledger()
 
-    @staticmethod
-    def _latest_checkpoint(trainer: "Trainer", before_step: int) -> Optional[Path]:
-        """The CheckpointManager's latest complete checkpoint saved before `before_step` (one the
-        manager wrote at the spike's own step already lies past the spiking batch), rank 0's choice."""
-        from trainer.checkpoint import complete_checkpoints
-        from trainer.checkpoint.manifest import checkpoint_step
-
-        for callback in trainer.callbacks:
-            latest = getattr(callback, "latest", None)
-            directory = getattr(callback, "directory", None)
-            if callable(latest) and directory is not None:
-                latest()  # collective: finishes a save still in flight, so that it is listed
-                found = [str(path) for path in complete_checkpoints(directory)
-                         if (checkpoint_step(path) or 0) < before_step]
-                chosen = trainer.strategy.all_gather_object(found[-1] if found else None)[0]
-                return Path(chosen) if chosen is not None else None
-        return None
+    def _latest_checkpoint(self, trainer: "Trainer", before_step: int) -> Optional[Path]:
+        """The provider's latest complete checkpoint saved before `before_step` (one the manager wrote at
+        the spike's own step already lies past the spiking batch); collective, the same on every rank."""
+        if self._checkpoints is None:
+            raise RuntimeError("the stabilizer rolls back, but was not connected to a checkpoint provider "
+                               "(Trainer.fit connects the callbacks before on_fit_start)")
+        return self._checkpoints.latest_checkpoint(trainer, before_step=before_step)
 
     def _apply_ledger(self) -> None:
-        loader = self._trainer.train_loader if self._trainer is not None else None
-        if loader is not None and self.skipped_batches and hasattr(loader, "skip"):
-            loader.skip(self.skipped_batches)
+        if self._trainer is not None and self.skipped_batches:
+            self._trainer.train_loader.skip(self.skipped_batches)
 
     def _report(self, trainer: "Trainer", event: dict[str, Any]) -> None:
         if not trainer.is_global_zero:
@@ -451,7 +457,7 @@ def describe(event: dict[str, Any]) -> str:
 class LossSpikeStabilizerConfig:
     """Schema of `callbacks.stabilizer`: the loss-spike stabilizer (plugins/callbacks/stabilizer.py)."""
 
-    _target_: str = "trainer.plugins.callbacks.stabilizer.LossSpikeStabilizer"
+    _target_: str = "trainer.plugins.callbacks.LossSpikeStabilizer"
     # Accepted steps the running statistics are taken over.
     window: int = 50
     # No spike is declared before this many accepted steps are in the history (early losses fall fast).

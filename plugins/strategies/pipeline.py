@@ -162,7 +162,7 @@ class PipelineParallel(DistributedStrategy):
 class PipelineParallelConfig:
     """Schema of `strategy=pp`: pipeline parallelism over `pp` ranks (world size = pp)."""
 
-    _target_: str = "trainer.plugins.strategies.pipeline.PipelineParallel"
+    _target_: str = "trainer.plugins.strategies.PipelineParallel"
     name: str = "pp"
     # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs virtual_stages >= 2 to interleave) or
     # zero_bubble (torch's ScheduleInterleavedZeroBubble; virtual_stages >= 2, no trainer.compile).

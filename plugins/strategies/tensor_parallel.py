@@ -209,7 +209,7 @@ class TensorParallel(DistributedStrategy):
 class TensorParallelConfig:
     """Schema of `strategy=tp`: tensor parallelism over `tp` = trainer.devices x trainer.num_nodes ranks."""
 
-    _target_: str = "trainer.plugins.strategies.tensor_parallel.TensorParallel"
+    _target_: str = "trainer.plugins.strategies.TensorParallel"
     # Name in logs and summaries.
     name: str = "tp"
     # Shard norms and the residual stream on the sequence (activation memory / tp; reduce-scatter +

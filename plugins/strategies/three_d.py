@@ -300,7 +300,7 @@ class ThreeD(DistributedStrategy):
 class ThreeDConfig:
     """Schema of `strategy=3d` (pipeline x data x tensor parallel; sizes from the top-level pp, dp, tp)."""
 
-    _target_: str = "trainer.plugins.strategies.three_d.ThreeD"
+    _target_: str = "trainer.plugins.strategies.ThreeD"
     name: str = "3d"
     # Data-parallel flavour: ddp, zero1, shard_grad_op, zero3, fsdp or hybrid_shard.
     data_parallel: str = "fsdp"

@@ -107,7 +107,7 @@ class ZeRO2Config:
     """Schema of `strategy=zero2` (textbook ZeRO-2: replicated parameters, partitioned gradients and
     optimizer states; FSDP2's shard_grad_op is `strategy=fsdp strategy.sharding=shard_grad_op`)."""
 
-    _target_: str = "trainer.plugins.strategies.zero2.ZeRO2"
+    _target_: str = "trainer.plugins.strategies.ZeRO2"
     name: str = "zero2"
     # Gradients are reduce-scattered in buckets of at most this size (bounds the transient buffer).
     bucket_cap_mb: float = 25.0

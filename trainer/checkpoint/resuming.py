@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from trainer.callback import CheckpointProvider, Providers
 from trainer.checkpoint.hf import is_hf_model, load_hf_weights
 from trainer.checkpoint.io import load_checkpoint
 from trainer.checkpoint.manifest import CheckpointCorruptError, CheckpointError, complete_checkpoints, is_checkpoint
@@ -31,11 +32,11 @@ DEFAULT_DIRECTORY = "checkpoints"
 
 
 def checkpoint_directory(trainer: "Trainer") -> Path:
-    """The run's checkpoint directory: the CheckpointManager's, else `<run_dir>/checkpoints`."""
-    for callback in trainer.callbacks:
-        directory = callback.resolve_directory(trainer.run_dir)
-        if directory is not None:
-            return Path(directory)
+    """The run's checkpoint directory: its CheckpointProvider's (the first, should there be several),
+    else `<run_dir>/checkpoints`."""
+    providers = Providers(trainer.callbacks).all(CheckpointProvider)
+    if providers:
+        return Path(providers[0].resolve_directory(trainer.run_dir))
     return Path(trainer.run_dir) / DEFAULT_DIRECTORY
 
 

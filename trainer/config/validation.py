@@ -6,7 +6,8 @@ chosen strategy, model shape against sequence length, and each plugin's own rule
 precision and the activation-checkpointing policy are instantiated once here and asked through the hooks
 their base classes declare (`Strategy.check_device`, `data_parallel_split`, `validate_pipeline`,
 `check_tensor_parallel`; `Precision.check_strategy`; `ActivationCheckpointing.check_model`,
-`check_strategy`; `Callback.check_config`). Every failure is a `ConfigError` naming the key.
+`check_strategy`; `Callback.check_config`, `Callback.requires`). Every failure is a `ConfigError` naming the
+key. Classes named by `_target_` are resolved and compared with `issubclass`, never by their spelling.
 """
 
 from __future__ import annotations
@@ -330,6 +331,15 @@ def _validate_optimization(cfg: DictConfig) -> None:
         raise _plugin_error("lr_schedule", error) from None
 
 
+def _is_source(node: DictConfig, source_class: type) -> bool:
+    """Whether `data._target_` names `source_class` or a subclass (`_validate_targets` made sure it
+    imports; a factory function is no class of ours)."""
+    from hydra.utils import get_object
+
+    target = get_object(str(node._target_))
+    return isinstance(target, type) and issubclass(target, source_class)
+
+
 def _validate_data_paths(cfg: DictConfig) -> None:
     """The data source's paths must be readable now, not when a worker first reads them. A source whose
     constructor only checks its files (the token-file dataset reads meta.json and file sizes; the arrays
@@ -337,9 +347,12 @@ def _validate_data_paths(cfg: DictConfig) -> None:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    from trainer.data.formats import MegatronIndexedDataset
+    from trainer.data.token_file import TokenFileDataset
+
     node = cfg.data
     # a Megatron `path` is the prefix of PREFIX.bin / PREFIX.idx, checked with its index by `_validate_data`
-    keys = ("root",) if str(node.get("_target_", "")).endswith("MegatronIndexedDataset") else ("path", "root")
+    keys = ("root",) if _is_source(node, MegatronIndexedDataset) else ("path", "root")
     for key in keys:
         value = node.get(key, None)
         if value is None:
@@ -347,7 +360,7 @@ def _validate_data_paths(cfg: DictConfig) -> None:
         path = Path(str(value)).expanduser()
         _require(path.exists(), f"data.{key}", f"{value} does not exist")
         _require(os.access(path, os.R_OK), f"data.{key}", f"{value} is not readable")
-    if str(node.get("_target_", "")).endswith("TokenFileDataset"):
+    if _is_source(node, TokenFileDataset):
         from trainer.data.config import source_config
 
         try:
@@ -420,11 +433,14 @@ def _validate_resume(cfg: DictConfig) -> None:
 
 
 def _validate_callbacks(cfg: DictConfig) -> None:
-    """Each callback class checks its options before launch (`Callback.check_config`, a no-op by default)."""
+    """Each callback class checks its options before launch (`Callback.check_config`, a no-op by default),
+    then what it requires of the other callbacks (`Callback.requires`) must be implemented by exactly one
+    of them."""
     from hydra.utils import get_object
 
     from trainer.callback import Callback
 
+    classes: dict[str, type[Callback]] = {}
     for name, node in cfg.callbacks.items():
         callback_class = get_object(node._target_)
         _require(isinstance(callback_class, type) and issubclass(callback_class, Callback),
@@ -434,6 +450,13 @@ def _validate_callbacks(cfg: DictConfig) -> None:
             callback_class.check_config(node)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"callbacks.{name}", str(error).splitlines()[0]) from None
+        classes[str(name)] = callback_class
+    for name, callback_class in classes.items():
+        for requirement in callback_class.requires(cfg.callbacks[name]):
+            implementations = [f"callbacks.{other}" for other, other_class in classes.items()
+                               if issubclass(other_class, requirement.interface)]
+            problem = requirement.problem(implementations)
+            _require(problem is None, f"callbacks.{name}", str(problem))
 
 
 def _validate_data(cfg: DictConfig) -> None:
@@ -441,7 +464,9 @@ def _validate_data(cfg: DictConfig) -> None:
     other and with the model (trainer.data.check_data reads headers only). A plan reads no data."""
     if cfg.mode == "plan":
         return
-    _require(not (cfg.data.document_masking and str(cfg.data._target_).endswith("StdlibCorpus")),
+    from trainer.data.stdlib_corpus import StdlibCorpus
+
+    _require(not (cfg.data.document_masking and _is_source(cfg.data, StdlibCorpus)),
              "data.document_masking", "data=stdlib has no document boundaries (no end-of-document token): use "
              "data=token_file with a corpus prepared with --append-eos, or data=megatron / nanogpt / mixture")
     from trainer.data import DataSourceError, check_data

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from trainer.data.config import (SCHEMAS, MegatronDataConfig, MixtureDataConfig, NanoGPTDataConfig,
                                      StdlibDataConfig, TokenFileDataConfig)
     from trainer.data.formats import MegatronIndexedDataset, NanoGPTDataset, open_source
-    from trainer.data.loader import SourceValidation, StatefulLoader, TokenWindows, val_batches
+    from trainer.data.loader import SourceValidation, StatefulLoader, TokenWindows, TrainLoader, val_batches
     from trainer.data.mixture import DataSourceError, MixtureData, MixtureLoader
     from trainer.data.stdlib_corpus import StdlibCorpus
     from trainer.data.token_file import TokenFileDataset
@@ -23,6 +23,7 @@ __all__ = [
     "StdlibCorpus",
     "TokenFileDataset",
     "TokenWindows",
+    "TrainLoader",
     "StatefulLoader",
     "val_batches",
     "StdlibDataConfig",
@@ -46,6 +47,7 @@ _EXPORTS = {
     "StdlibCorpus": "trainer.data.stdlib_corpus",
     "TokenFileDataset": "trainer.data.token_file",
     "TokenWindows": "trainer.data.loader",
+    "TrainLoader": "trainer.data.loader",
     "StatefulLoader": "trainer.data.loader",
     "val_batches": "trainer.data.loader",
     "StdlibDataConfig": "trainer.data.config",

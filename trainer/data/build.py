@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from trainer.data.loader import Batch, SourceValidation, StatefulLoader, TokenWindows, val_batches
+from trainer.data.loader import SourceValidation, StatefulLoader, TokenWindows, TrainLoader, val_batches
 from trainer.data.mixture import DataSourceError, MixtureData, MixtureLoader
 
 __all__ = ["build_loaders", "check_data"]
 
 
 def build_loaders(source: Any, seq_len: int, global_batch_size: int, micro_batch_size: int, val_batches_per_step: int,
-                  seed: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[Iterator[list[Batch]], Any]:
+                  seed: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[TrainLoader, Any]:
     """The training loader and validation set of a data source (one corpus or a ``MixtureData``).
 
     The validation set is ``val_batches_per_step`` global batches whatever the parallelism (each rank its
@@ -30,8 +29,8 @@ def build_loaders(source: Any, seq_len: int, global_batch_size: int, micro_batch
             sets[name] = val_batches(val, val_batches_per_step * accumulation, micro_batch_size,
                                      dp_rank=dp_rank, dp_size=dp_size)
             weights[name] = w
-        loader: Iterator[list[Batch]] = MixtureLoader(windows, source.names, source.phases, global_batch_size,
-                                                      micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+        loader: TrainLoader = MixtureLoader(windows, source.names, source.phases, global_batch_size,
+                                            micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
         return loader, SourceValidation(sets, weights)
     loader = StatefulLoader(TokenWindows(source.train_tokens(), seq_len), global_batch_size, micro_batch_size,
                             dp_rank=dp_rank, dp_size=dp_size, seed=seed)

@@ -12,16 +12,58 @@ resumed with a different ``dp_size``.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["TokenWindows", "StatefulLoader", "val_batches", "Batch", "SourceValidation"]
+__all__ = ["TrainLoader", "TokenWindows", "StatefulLoader", "val_batches", "Batch", "SourceValidation"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """An ``(inputs, targets)`` pair of int64 tensors shaped ``[batch, seq_len]``."""
+
+
+class TrainLoader(Iterator[list[Batch]]):
+    """The training loader's contract: what the loop, checkpoints and callbacks use of it.
+
+    An endless iterator: each ``next()`` returns this rank's micro-batches of the next *global batch*.
+    A global batch is named by its *position*, its absolute index in the data order (0, 1, 2, ...): the
+    same on every rank and for any data-parallel size, so that ranks agree on it and a position still
+    means the same batch after a resume on another world size.
+
+    The loop saves ``state_dict()`` in checkpoints and hands it back to ``load_state_dict`` on resume;
+    the loss-spike stabilizer reads ``last_position`` (which batch spiked) and gives its ledger of bad
+    batches to ``skip``. An abstract base class rather than a structural protocol: every member is
+    checked when a loader is created (a loader missing one cannot be instantiated), not when a
+    checkpoint or a rollback first needs it hours into a run.
+    """
+
+    @abstractmethod
+    def __next__(self) -> list[Batch]:
+        """This rank's micro-batches of the next global batch not skipped."""
+
+    @property
+    @abstractmethod
+    def last_position(self) -> int | None:
+        """The position of the global batch the last ``next()`` returned (None before the first)."""
+
+    @abstractmethod
+    def skip(self, positions: Iterable[int]) -> None:
+        """Never return the global batches at these positions. A skipped batch is passed over as if it
+        had been consumed, so the batches after it are unchanged (a rollback replays the same data
+        minus the bad window)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The position in plain values (safe for ``torch.save(weights_only=True)`` and JSON), independent
+        of the rank layout; the skip list is not in it (the stabilizer's ledger owns and restores it)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict()``: the next batches equal those the saver would have returned.
+        Raises ValueError when the state belongs to other data (sources, sizes, global batch size)."""
 
 
 class TokenWindows:
@@ -84,7 +126,7 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-class StatefulLoader(Iterator[list[Batch]]):
+class StatefulLoader(TrainLoader):
     """Endless iterator of per-rank micro-batch lists, one list per optimizer step.
 
     Each ``next()`` returns ``global_batch_size // (micro_batch_size * dp_size)``
@@ -140,8 +182,7 @@ class StatefulLoader(Iterator[list[Batch]]):
         # Global batches never to return, by absolute position (see `position`): the loss-spike
         # stabilizer's ledger. Kept out of state_dict because its owner (the ledger) restores it.
         self.skip_positions: set[int] = set()
-        # Absolute position of the batch the last next() returned (None before the first).
-        self.last_position: int | None = None
+        self._last_position: int | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -156,6 +197,11 @@ class StatefulLoader(Iterator[list[Batch]]):
         world size) agrees on it.
         """
         return self.epoch * self.steps_per_epoch + self.step_in_epoch
+
+    @property
+    def last_position(self) -> int | None:
+        """Absolute position of the batch the last next() returned (None before the first)."""
+        return self._last_position
 
     def skip(self, positions: Iterable[int]) -> None:
         """Never return the global batches at these absolute positions (a skipped one is passed over
@@ -198,7 +244,7 @@ class StatefulLoader(Iterator[list[Batch]]):
     def __next__(self) -> list[Batch]:
         while self.position in self.skip_positions:
             self._advance()
-        self.last_position = self.position
+        self._last_position = self.position
         indices = self._rank_indices()
         m = self.micro_batch_size
         batches = [_gather(self.windows, indices[i : i + m]) for i in range(0, len(indices), m)]

@@ -19,7 +19,7 @@ the saved ones starts a new phase at the resume step (so a schedule can be added
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from trainer.data.formats import TokenSource, open_source
-from trainer.data.loader import Batch, TokenWindows, _check_positive
+from trainer.data.loader import Batch, TokenWindows, TrainLoader, _check_positive
 
 __all__ = ["MixtureData", "MixtureLoader", "Phase", "DataSourceError", "blend"]
 
@@ -170,13 +170,13 @@ def _name_seed(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-class MixtureLoader(Iterator[list[Batch]]):
+class MixtureLoader(TrainLoader):
     """Endless iterator of this rank's micro-batches of a weighted mixture, one list per optimizer step.
 
-    Same contract as ``StatefulLoader`` (``position``, ``skip``, ``last_position``, ``state_dict``):
-    global batch ``p`` is ``global_batch_size`` samples whose sources follow Megatron's rule (module
-    docstring); data-parallel rank ``r`` of ``D`` takes the ``r``-th contiguous slice and cuts it into
-    micro-batches, so the union over ranks is the single-process batch whatever ``D``.
+    A ``TrainLoader``, as ``StatefulLoader`` is (with a ``position`` too): global batch ``p`` is
+    ``global_batch_size`` samples whose sources follow Megatron's rule (module docstring); data-parallel
+    rank ``r`` of ``D`` takes the ``r``-th contiguous slice and cuts it into micro-batches, so the union
+    over ranks is the single-process batch whatever ``D``.
 
     Args:
         windows: each source's training windows, in the mixture's order.
@@ -219,7 +219,7 @@ class MixtureLoader(Iterator[list[Batch]]):
         self.phase_weights = np.asarray(self._phase_at(0).weights, dtype=np.float64)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self.skip_positions: set[int] = set()
-        self.last_position: int | None = None
+        self._last_position: int | None = None
         # Source of each sample of the last global batch (all ranks'), for logging and tests.
         self.last_sources: np.ndarray = np.zeros(0, dtype=np.int64)
         for name, w, phase_w in zip(self.names, self.windows, np.max([p.weights for p in self.phases], axis=0)):
@@ -233,6 +233,11 @@ class MixtureLoader(Iterator[list[Batch]]):
     def num_micro_batches(self) -> int:
         """Micro-batches per step on this rank (gradient accumulation steps)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    @property
+    def last_position(self) -> int | None:
+        """The position of the global batch the last next() returned (None before the first)."""
+        return self._last_position
 
     def skip(self, positions: Iterable[int]) -> None:
         """Never return the global batches at these positions (consumed as if returned: later batches
@@ -286,7 +291,7 @@ class MixtureLoader(Iterator[list[Batch]]):
     def __next__(self) -> list[Batch]:
         while self.position in self.skip_positions:
             self._draw()
-        self.last_position = self.position
+        self._last_position = self.position
         sources, numbers = self._draw()
         self.last_sources = sources
         per_rank = self.global_batch_size // self.dp_size

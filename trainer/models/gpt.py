@@ -29,7 +29,7 @@ class GPTConfig:
     """Architecture of a GPT model; the defaults are GPT-2 small (124M)."""
 
     # Hydra target; ``trainer.models.build_model`` resolves the model class from it.
-    _target_: str = "trainer.models.gpt.GPT"
+    _target_: str = "trainer.models.GPT"
     # Human-readable model name (used in logs and checkpoint metadata).
     name: str = "gpt"
     # Vocabulary size of the tokenizer (rows of the embedding and the output head).

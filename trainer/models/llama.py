@@ -32,7 +32,7 @@ class LlamaConfig:
     """Architecture of a Llama model; the defaults are Llama 2 7B."""
 
     # Hydra target; ``trainer.models.build_model`` resolves the model class from it.
-    _target_: str = "trainer.models.llama.Llama"
+    _target_: str = "trainer.models.Llama"
     # Human-readable model name (used in logs and checkpoint metadata).
     name: str = "llama"
     # Vocabulary size of the tokenizer (rows of the embedding and the output head).

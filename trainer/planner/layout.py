@@ -15,6 +15,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.optim import optimizer_state_tensors
+
 # Data-parallel flavours and what each shards at rest (params, grads, optimizer states).
 DP_FLAVOURS = ("none", "ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hybrid_shard")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -153,13 +155,7 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     master = precision.master_weights and DTYPE_BYTES[param_dtype] < 4
 
     checkpointing = instantiate(cfg.activation_checkpointing)
-    opt_target = str(cfg.optimizer._target_).lower()
-    if "adam" in opt_target:
-        states = 2
-    elif float(cfg.optimizer.get("momentum", 0.0) or 0.0) > 0:
-        states = 1
-    else:
-        states = 0
+    states = optimizer_state_tensors(cfg.optimizer)
     t = cfg.trainer
     return Layout(
         world_size=world_size(cfg), strategy=str(cfg.strategy.get("name", None) or strategy.name), **topology,
