@@ -112,7 +112,7 @@ class CompareAfterRollback(Callback):
 
         if trainer.step == self.step and self.went_past and self.saved is not None:
             now = self._local(trainer)
-            same = len(now) == len(self.saved) and all(torch.equal(a, b) for a, b in zip(now, self.saved))
+            same = len(now) == len(self.saved) and all(torch.equal(a, b) for a, b in zip(now, self.saved, strict=True))
             with open(os.path.join(self.directory, f"rollback_rank{trainer.strategy.rank}.json"), "w") as f:
                 json.dump({"bitwise_equal": same, "tensors": len(now)}, f)
             self.saved = None
@@ -157,7 +157,8 @@ class InjectOverflow(Callback):
         import torch
 
         after = self._locals(trainer)
-        unchanged = len(after) == len(self.before) and all(torch.equal(a, b) for a, b in zip(after, self.before))
+        unchanged = len(after) == len(self.before) and all(
+            torch.equal(a, b) for a, b in zip(after, self.before, strict=True))
         self.rows.append({"step": trainer.step, "skipped": bool(outputs["skipped"]),
                           "loss_scale": trainer.precision.metrics().get("loss_scale"),
                           "params_unchanged": unchanged, "loss": float(outputs["loss"])})

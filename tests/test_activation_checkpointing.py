@@ -116,7 +116,7 @@ def assert_same_training(run_dir: Path, reference_dir: Path) -> None:
     assert losses(run_dir) == pytest.approx(expected, rel=1e-6)
     actual_steps, expected_steps = gradients(run_dir), gradients(reference_dir)
     assert len(actual_steps) == len(expected_steps) == 3
-    for step, (actual, reference) in enumerate(zip(actual_steps, expected_steps)):
+    for step, (actual, reference) in enumerate(zip(actual_steps, expected_steps, strict=True)):
         assert actual.keys() == reference.keys()
         for name, grad in reference.items():
             # 1e-6 relative to the tensor's scale, so that entries near zero do not demand more than fp32 has
@@ -309,7 +309,7 @@ def test_offload_hooks_move_activations_and_keep_leaves_in_place() -> None:
     loss.backward()
     assert {leaf for leaf, offloaded in decisions if offloaded} == {False}  # activations only, and some
     assert {leaf for leaf, offloaded in decisions if not offloaded} == {True}  # x and the weights stay
-    for grad, reference in zip([t.grad for t in (x, *mlp.parameters())], expected):
+    for grad, reference in zip([t.grad for t in (x, *mlp.parameters())], expected, strict=True):
         torch.testing.assert_close(grad, reference, rtol=0, atol=0)
 
 

@@ -77,7 +77,7 @@ def test_ring_attention_equals_causal_attention_forward_and_backward(world_of_on
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(expected, (q, k, v), grad)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -292,6 +292,22 @@ def _column(run_dir: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
 
 
+# Tolerances of the parity tests, from the largest differences measured over each test's runs (one launch
+# of each, CPU, gloo): relative per-step train losses, gradient norms and validation losses, absolute final
+# weights. The parity runs (20 steps): losses within 2.6e-7 (cp2_ring, cp2_tp2, cp2_pp2), gradient norms
+# 8.7e-6 (cp4_all_to_all), validation losses 1.3e-7 (cp2_zero1_dp2, cp2_zero3_dp2), weights 2.8e-5
+# (gpt_cp2_ring: Adam's m / sqrt(v) amplifies rounding for rarely seen tokens; Llama runs 1.4e-5). The
+# masked runs (10 steps): losses 1.7e-7, gradient norms 1.1e-6 (docs_tp2), validation losses 8.6e-8,
+# weights 1.25e-5 (docs_tp2). Margins: 10x-40x; the weights keep their earlier 1e-4 (3.5x over the GPT
+# parity runs, 8x over the masked ones). A wrong mask, shard or reduction moves the loss by 1e-3 or more
+# from the first step.
+PARITY_REL = {"train_loss": 5e-6, "grad_norm": 1e-4, "val_loss": 5e-6}
+DOCUMENTS_REL = {"train_loss": 5e-6, "grad_norm": 2e-5, "val_loss": 2e-6}
+WEIGHTS_ATOL = 1e-4
+# Resumed runs against the straight cp=2 run's losses: 1.6e-7 (under tp x dp), 1.5e-7 (one process); 30x.
+RESUMED_REL = 5e-6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_context_parallel_matches_the_single_process_run(runs: Path, name: str) -> None:
@@ -299,13 +315,13 @@ def test_context_parallel_matches_the_single_process_run(runs: Path, name: str) 
     run_dir = runs / f"np{PARITY[name][2]}" / name
     single = runs / _reference_of(name)
     assert len(_column(single, "train_loss")) == 20
-    for metric in ("train_loss", "grad_norm", "val_loss"):
-        assert _column(run_dir, metric) == pytest.approx(_column(single, metric), rel=1e-4), metric
+    for metric, rel in PARITY_REL.items():
+        assert _column(run_dir, metric) == pytest.approx(_column(single, metric), rel=rel), metric
     reference = torch.load(single / "weights.pt", weights_only=True)
     weights = torch.load(run_dir / "weights.pt", weights_only=True)
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+        torch.testing.assert_close(weights[key], value, atol=WEIGHTS_ATOL, rtol=0, msg=f"{name}: {key}")
 
 
 @pytest.mark.slow
@@ -315,12 +331,13 @@ def test_document_masking_under_tp_cp_and_pp_matches_the_single_process_run(runs
     each document what it gets alone: tests/test_documents.py), 10 steps."""
     run_dir, single = runs / "np2" / name, runs / _reference_of(name)
     assert len(_column(single, "train_loss")) == 10
-    for metric in ("train_loss", "grad_norm", "val_loss"):
-        assert _column(run_dir, metric) == pytest.approx(_column(single, metric), rel=1e-4), metric
+    for metric, rel in DOCUMENTS_REL.items():
+        assert _column(run_dir, metric) == pytest.approx(_column(single, metric), rel=rel), metric
     reference = torch.load(single / "weights.pt", weights_only=True)
     weights = torch.load(run_dir / "weights.pt", weights_only=True)
+    assert weights.keys() == reference.keys()
     for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+        torch.testing.assert_close(weights[key], value, atol=WEIGHTS_ATOL, rtol=0, msg=f"{name}: {key}")
 
 
 @pytest.mark.slow
@@ -334,7 +351,7 @@ def test_a_cp2_checkpoint_resumes_under_tp_x_dp(runs: Path) -> None:
     straight = column(runs / "np2" / "cp2-straight")
     resumed = column(runs / "np4" / "tp_dp-from-cp2")
     assert sorted(resumed) == list(range(HALF + 1, 2 * HALF + 1))
-    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=1e-4)
+    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=RESUMED_REL)
 
 
 @pytest.mark.slow
@@ -346,4 +363,4 @@ def test_a_cp2_checkpoint_resumes_on_one_process(runs: Path, tmp_path: Path) -> 
     straight = column(runs / "np2" / "cp2-straight")
     resumed = column(tmp_path)
     assert sorted(resumed) == list(range(HALF + 1, 2 * HALF + 1))
-    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=1e-4)
+    assert resumed == pytest.approx({step: straight[step] for step in resumed}, rel=RESUMED_REL)

@@ -391,8 +391,8 @@ def test_loader_state_restore_is_exact(steps_before_save: int) -> None:
     assert restored.seed == 11
     for exp in expected:
         got = next(restored)
-        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(exp, got))
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(exp, got))
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(exp, got, strict=True))
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(exp, got, strict=True))
 
     # The state is about the global batch, so resuming with another rank layout is exact too.
     single = StatefulLoader(w, global_batch_size=8, micro_batch_size=4)
@@ -423,7 +423,7 @@ def test_val_batches_fixed_and_sharded() -> None:
     single = val_batches(w, num_batches=3, micro_batch_size=2)
     assert window_ids(single) == [0, 1, 2, 3, 4, 5]
     again = val_batches(w, num_batches=3, micro_batch_size=2)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(single, again))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(single, again, strict=True))
     ranks = [val_batches(w, 3, 2, dp_rank=r, dp_size=2) for r in range(2)]
     assert [window_ids(b) for b in ranks] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
     assert all(x.shape == (2, 4) for b in ranks for x, _ in b)

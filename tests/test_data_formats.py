@@ -44,7 +44,7 @@ def documents(ds: TokenFileDataset, split: str) -> list[bytes]:
     """The split's documents cut by the offsets index, EOS (256) dropped, as bytes."""
     tokens = np.asarray(ds.train_tokens() if split == "train" else ds.val_tokens())
     offsets = ds.doc_offsets(split)
-    docs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    docs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     assert all(d[-1] == 256 for d in docs)
     return [d[:-1].astype(np.uint8).tobytes() for d in docs]
 
@@ -155,19 +155,34 @@ def test_bad_columns_and_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_document_index_survives_the_token_tail_split(tmp_path: Path) -> None:
+    """When the document hash puts every document on one side, `prepare` cuts validation off the end of the
+    tokens instead: train is the first total - n_val tokens (n_val = round(total * val_fraction)), val the
+    rest, and the cut document continues as val's first (the offsets index is cut with the tokens)."""
+    # Documents 0, 1, 2 (blake2b of the index: 0.097, 0.988, 0.575): at val_fraction 0.05 all go to train.
+    docs = ["a" * 100, "b" * 40, "c" * 3]  # 101 + 41 + 4 = 146 tokens with their EOS
+    write_jsonl(tmp_path / "three.jsonl", docs)
+    meta = prep.prepare([str(tmp_path / "three.jsonl")], str(tmp_path / "o"), val_fraction=0.05, append_eos=True)
+    ds = TokenFileDataset(str(tmp_path / "o"))
+    assert meta["split"] == ds.meta["split"] == "token_tail" and meta["documents"] == {"train": 3, "val": 0}
+    flat = b"".join(d.encode() + b"\xff" for d in docs)  # 0xff stands for the EOS (256) below
+    # n_val = round(146 * 0.05) = 7: train keeps 139 tokens, cutting document 1 ("b" * 40 + EOS) two
+    # tokens before its EOS; val is "bb", EOS, then document 2 ("ccc", EOS) from val offset 3.
+    assert ds.num_tokens == {"train": 139, "val": 7}
+    as_bytes = lambda a: bytes(np.where(np.asarray(a) == 256, 255, np.asarray(a)).astype(np.uint8))  # noqa: E731
+    assert as_bytes(ds.train_tokens()) == flat[:139] and as_bytes(ds.val_tokens()) == flat[139:]
+    assert list(ds.doc_offsets("train")) == [0, 101, 139]
+    assert list(ds.doc_offsets("val")) == [0, 3, 7]
+
+    # One document, on the validation side by its hash (document 0 at val_fraction 0.1: 0.097 < 0.1): it
+    # becomes train, then its last round(1001 * 0.1) = 100 tokens become val.
     text = tmp_path / "one.txt"
     text.write_text("x" * 1000)
-    (tmp_path / "two.jsonl").write_text(json.dumps({"text": "y" * 50}) + "\n")
-    prep.prepare([str(text), str(tmp_path / "two.jsonl")], str(tmp_path / "o"), val_fraction=0.1, append_eos=True)
-    ds = TokenFileDataset(str(tmp_path / "o"))
-    if ds.meta["split"] == "token_tail":
-        n_train = ds.num_tokens["train"]
-        assert list(ds.doc_offsets("train")) == [0, n_train]
-        assert ds.doc_offsets("val")[0] == 0 and ds.doc_offsets("val")[-1] == ds.num_tokens["val"]
-    # any split: the documents, joined, are the input's
-    joined = np.concatenate([ds.train_tokens(), ds.val_tokens()])
-    starts = np.concatenate([ds.doc_offsets("train")[:-1], ds.doc_offsets("val")[:-1] + ds.num_tokens["train"]])
-    assert set(np.flatnonzero(joined == 256) + 1) - {len(joined)} <= set(starts)
+    meta = prep.prepare([str(text)], str(tmp_path / "v"), val_fraction=0.1, append_eos=True)
+    ds = TokenFileDataset(str(tmp_path / "v"))
+    assert meta["split"] == "token_tail" and meta["documents"] == {"train": 1, "val": 0}
+    assert ds.num_tokens == {"train": 901, "val": 100}
+    assert as_bytes(ds.train_tokens()) == b"x" * 901 and as_bytes(ds.val_tokens()) == b"x" * 99 + b"\xff"
+    assert list(ds.doc_offsets("train")) == [0, 901] and list(ds.doc_offsets("val")) == [0, 100]
 
 
 def test_malformed_offsets_index(tmp_path: Path) -> None:
@@ -314,7 +329,7 @@ def test_shards_read_as_one_split(tmp_path: Path, val_fraction: float) -> None:
     # windows that cross shard files gather from both
     w1, w2 = TokenWindows(whole.train_tokens(), 64), TokenWindows(sharded.train_tokens(), 64)
     idx = np.arange(len(w1))[::-1]
-    assert all(torch_equal(x, y) for x, y in zip(w1.get_batch(idx), w2.get_batch(idx)))
+    assert all(torch_equal(x, y) for x, y in zip(w1.get_batch(idx), w2.get_batch(idx), strict=True))
     assert sharded.train_tokens()[5] == whole.train_tokens()[5]
     assert np.array_equal(sharded.train_tokens()[290:310], whole.train_tokens()[290:310])
     # a shard file that does not match meta.json is refused, naming it

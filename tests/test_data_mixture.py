@@ -55,13 +55,23 @@ BASE = [Phase(0, (0.5, 0.3, 0.2))]
 SCHEDULED = [Phase(0, (0.5, 0.3, 0.2)), Phase(14, (0.1, 0.1, 0.8))]
 
 
+def sample_sources(batch: torch.Tensor) -> np.ndarray:
+    """The source of each sample (row) of a global batch, read from its tokens (`windows`: source d's
+    tokens are d * 100_000 + position); every token of a row must name the same source."""
+    sources = batch.div(100_000, rounding_mode="floor")
+    assert bool((sources == sources[:, :1]).all()), "a sample mixes sources"
+    return sources[:, 0].numpy()
+
+
 def test_shares_over_1000_global_batches_are_within_1_percent() -> None:
     for weights in [(0.5, 0.3, 0.2), (0.9, 0.07, 0.03), (1 / 3, 1 / 3, 1 / 3), (0.0, 0.25, 0.75)]:
         ld = loader([Phase(0, weights)])
         counts = np.zeros(3)
         for _ in range(1000):
-            next(ld)
-            counts += np.bincount(ld.last_sources, minlength=3)
+            (batch,) = global_batches([ld], 1)
+            sources = sample_sources(batch)
+            assert np.array_equal(sources, ld.last_sources)  # the loader's own record agrees with the content
+            counts += np.bincount(sources, minlength=3)
         shares = counts / counts.sum()
         assert np.all(np.abs(shares - weights) < 0.01), (weights, shares)
         # Megatron's rule is exact: every source within one sample of its target at any point
@@ -71,15 +81,30 @@ def test_shares_over_1000_global_batches_are_within_1_percent() -> None:
 def test_sample_sequence_is_the_same_for_dp_1_2_4_and_across_a_schedule_change() -> None:
     reference = global_batches(ranks(SCHEDULED, 1), 30)
     for dp in (2, 4):
-        assert all(torch.equal(a, b) for a, b in zip(reference, global_batches(ranks(SCHEDULED, dp), 30))), dp
-    sources = [np.bincount(torch.cat(reference[s:e]).div(100_000, rounding_mode="floor")[:, 0].numpy(), minlength=3)
-               for s, e in ((0, 14), (14, 30))]
+        other = global_batches(ranks(SCHEDULED, dp), 30)
+        assert all(torch.equal(a, b) for a, b in zip(reference, other, strict=True)), dp
+    sources = [np.bincount(sample_sources(torch.cat(reference[s:e])), minlength=3) for s, e in ((0, 14), (14, 30))]
     assert np.allclose(sources[0] / sources[0].sum(), (0.5, 0.3, 0.2), atol=1 / 200)
     assert np.allclose(sources[1] / sources[1].sum(), (0.1, 0.1, 0.8), atol=1 / 200)  # the new mix from step 14
-    # The samples are the windows: every source is read through a permutation, repeated by epochs.
-    first = torch.cat(reference)[:, 0]
-    small = first[first < 100_000]
-    assert len(set(small.tolist())) == min(len(small), SIZES[0]) or len(small) > SIZES[0]
+    # The samples are the windows: every source is read through a permutation, repeated by epochs. In the
+    # order a source gives its samples (batch by batch, row by row), each run of len(windows) samples is a
+    # shuffled permutation of all its windows, the next run another one, and the last (partial) run repeats
+    # no window.
+    samples = torch.cat(reference)
+    origin = sample_sources(samples)
+    for d, n in enumerate(SIZES):
+        rows = samples[origin == d]
+        offset = rows[:, 0] - d * 100_000
+        assert bool((offset % SEQ == 0).all()) and bool((rows == rows[:, :1] + torch.arange(SEQ)).all())
+        order = (offset // SEQ).tolist()  # window index of each sample, in the order the source gave them
+        epochs = [order[i:i + n] for i in range(0, len(order), n)]
+        for epoch in epochs:
+            assert len(set(epoch)) == len(epoch) and set(epoch) <= set(range(n)), (d, epoch)
+        full = [e for e in epochs if len(e) == n]
+        assert all(e != sorted(e) for e in full), d  # shuffled, not read in order
+        assert all(a != b for a, b in zip(full[:-1], full[1:], strict=True)), d  # a new permutation per epoch
+        if d == 0:  # the smallest source is read 2.7 times over here: the repetition is exercised
+            assert len(order) > 2 * n and len(full) == 2, len(order)
 
 
 @pytest.mark.parametrize("stop", [0, 1, 7, 13, 14, 15, 29])
@@ -90,7 +115,7 @@ def test_stop_and_resume_at_any_step_on_another_dp_size_replays_the_same_samples
     state = first[0].state_dict()
     assert state == first[1].state_dict()  # rank-independent
     after = global_batches(ranks(SCHEDULED, 4, state), 30 - stop)
-    assert all(torch.equal(a, b) for a, b in zip(reference, before + after))
+    assert all(torch.equal(a, b) for a, b in zip(reference, before + after, strict=True))
 
 
 def test_schedule_added_at_resume_starts_its_mix_there() -> None:
@@ -99,7 +124,7 @@ def test_schedule_added_at_resume_starts_its_mix_there() -> None:
     state = first[0].state_dict()
     edited = [Phase(0, (0.5, 0.3, 0.2)), Phase(4, (0.0, 0.0, 1.0))]  # an entry whose step has passed
     one, two = (global_batches(ranks(edited, dp, state), 5) for dp in (1, 2))
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
     assert bool((torch.cat(one)[:, 0] >= 200_000).all())  # from the resume step on: books only
 
 
@@ -109,7 +134,7 @@ def test_skipped_positions_are_consumed_not_returned() -> None:
     for ld in lds:
         ld.skip([2, 3])
     got = global_batches(lds, 4)
-    assert all(torch.equal(a, b) for a, b in zip(got, reference[:2] + reference[4:]))
+    assert all(torch.equal(a, b) for a, b in zip(got, reference[:2] + reference[4:], strict=True))
     assert lds[0].last_position == 5
 
 

@@ -80,11 +80,49 @@ def test_bad_fp8_settings_are_one_line_config_errors(overrides: list[str], messa
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_the_planner_plans_an_fp8_run() -> None:
-    from trainer.planner import plan
+def test_the_planner_counts_an_fp8_run_s_state_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 keeps fp32 parameters (float8 is only the matmuls' cast): 4 bytes per element of parameters and
+    of gradients, 8 of AdamW's two fp32 moments, from the shapes of the model with its Float8Linear layers.
+    The analytic estimate says so, and so does exact mode, which builds that model on the meta device and
+    counts its tensors: under zero3 with float8 all-gather each weight is torchao's wrapper tensor
+    (WeightWithDynamicFloat8CastTensor) around an fp32 shard of half its rows, counted at the fp32 size
+    of the shard it wraps (the float8 copy exists only during the all-gather)."""
+    import math
 
-    result = plan(compose([*FP8, "mode=plan", "hardware=cpu"]), exact=False, search=False)
-    assert result.memory["params"] > 0
+    from omegaconf import OmegaConf
+
+    import trainer.planner.exact as exact
+    from trainer.models import build_meta_model
+    from trainer.planner import plan
+    from trainer.plugins.precision import Float8
+
+    cfg = compose([*FP8, "mode=plan", "hardware=cpu"])
+    model = build_meta_model(OmegaConf.to_object(cfg.model))
+    Float8(emulate=True).convert_model(model)
+    assert _float8_modules(model)
+    shapes = [p.shape for p in model.parameters()]
+    numel = sum(math.prod(shape) for shape in shapes)
+    # zero3 on 2 ranks: FSDP2 shards every parameter's dim 0 (padded to a multiple of 2; the tiny model's
+    # are even)
+    shard = sum(math.ceil(shape[0] / 2) * math.prod(shape[1:]) for shape in shapes)
+    counted: list[set[str]] = []
+    count = exact.count_state_bytes
+
+    def spy(parts: list[nn.Module], *args: object, **kwargs: object) -> dict[str, int]:
+        counted.append({type(getattr(p, "_local_tensor", p)).__name__ for part in parts for p in part.parameters()})
+        return count(parts, *args, **kwargs)
+
+    monkeypatch.setattr(exact, "count_state_bytes", spy)
+    for overrides, elements, held in (([], numel, {"Parameter"}),
+                                      (["strategy=zero3", "trainer.devices=2"], shard,
+                                       {"Tensor", "WeightWithDynamicFloat8CastTensor"})):
+        result = plan(compose([*FP8, "mode=plan", "hardware=cpu", *overrides]), exact=True, search=False)
+        expected = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements}
+        assert result.num_params == numel
+        assert result.state_bytes == expected, (overrides, result.state_bytes, expected)
+        assert {k: result.memory[k] for k in expected} == expected
+        assert result.exact == expected, (overrides, result.exact, result.exact_error)
+        assert counted.pop() == held  # zero3: the norms and the output layer stay plain shards
 
 
 # ---- training runs (slow) ----------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def rank_data(step_s: list[float], late_s: list[float]) -> dict[str, Any]:
     """One rank's steps (1 s apart) with one collective each, which this rank reaches `late_s` after the
     step start (its compute) and every rank leaves at the same time."""
     steps, arrivals = [], []
-    for i, (length, late) in enumerate(zip(step_s, late_s)):
+    for i, (length, late) in enumerate(zip(step_s, late_s, strict=True)):
         start = int(i * 1e9)
         steps.append((i + 1, start, start + int(length * 1e9)))
         arrivals.append(("1", i + 1, start + int(late * 1e9)))

@@ -149,7 +149,7 @@ def test_init_is_deterministic_under_seed(config_fn: Any) -> None:
     first, second = seeded_build(config_fn(), 0), seeded_build(config_fn(), 0)
     other = seeded_build(config_fn(), 1)
     for (name, a), (_, b), (_, c) in zip(
-        first.state_dict().items(), second.state_dict().items(), other.state_dict().items()
+        first.state_dict().items(), second.state_dict().items(), other.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
         if a.numel() > 1 and a.std() > 0:
@@ -454,5 +454,5 @@ def test_a_recompute_replays_the_dropout_of_a_rank_stream(attn_impl: str) -> Non
         torch.manual_seed(1)
         out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         grads.append(torch.autograd.grad(out.square().sum(), list(block.parameters())))
-    for plain, recomputed in zip(*grads):
+    for plain, recomputed in zip(*grads, strict=True):
         assert torch.equal(plain, recomputed)

@@ -103,7 +103,7 @@ def test_grouped_matmul_and_per_expert_matmuls_give_the_same_model_and_gradients
         loss.backward()
         losses.append(loss)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
-    for (name, a), b in zip(grouped.named_parameters(), looped.parameters()):
+    for (name, a), b in zip(grouped.named_parameters(), looped.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
@@ -485,6 +485,6 @@ def test_activation_checkpointing_gives_the_same_gradients_and_counts_each_forwa
             h = checkpoint(layer, h, rope, use_reentrant=False) if wrap else layer(h, rope)
         logits = model.output(model.norm(h))
         F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert [layer.feed_forward.stat_calls for layer in recomputed.layers.values()] == [1, 1]

@@ -265,11 +265,11 @@ def test_fused_kernel_only_where_it_runs_and_not_against_the_users_choice() -> N
     optimizers = [optimizer_from_config(load_config("adamw", {}), [models[0]]),
                   optimizer_from_config(load_config("adamw", {"fused": False}), [models[1]])]
     for _ in range(3):
-        for model, optimizer in zip(models, optimizers):
+        for model, optimizer in zip(models, optimizers, strict=True):
             for p in model.parameters():
                 p.grad = torch.ones_like(p) * 0.1 + p.detach()
             optimizer.step()
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 

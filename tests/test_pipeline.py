@@ -109,7 +109,7 @@ def test_split_keeps_every_layer_on_exactly_one_stage(family: str) -> None:
         stages = {}
         for rank in range(pp):
             indices = stage_indices_of_rank(rank, pp, virtual)
-            for index, part in zip(indices, split_model(model, ranges, indices)):
+            for index, part in zip(indices, split_model(model, ranges, indices), strict=True):
                 stages[index] = part
         assert sorted(stages) == list(range(num_stages))
         held = [key for s in range(num_stages) for key in stages[s].layers.keys()]

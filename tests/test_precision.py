@@ -97,7 +97,7 @@ def test_unscale_is_exact_and_finds_inf_and_nan() -> None:
     grads = [torch.randn(5) * 2.0**16, torch.randn(3, 2, dtype=torch.float64) * 2.0**16]
     expected = [g / 2.0**16 for g in grads]
     assert unscale_and_check_(grads, 2.0**-16).item() == 0.0
-    for grad, want in zip(grads, expected):
+    for grad, want in zip(grads, expected, strict=True):
         assert torch.equal(grad, want)  # a power-of-two scale divides exactly
     assert unscale_and_check_([torch.ones(4), torch.tensor([1.0, float("inf")])], 0.5).item() == 1.0
     assert unscale_and_check_([torch.tensor([float("nan")])], 0.5).item() == 1.0
@@ -297,7 +297,7 @@ def curve(runs: Path, name: str, metric: str = "train_loss") -> list[float]:
 def test_loss_curve_stays_within_3_percent_of_fp32_at_every_step(runs: Path, name: str) -> None:
     reference, losses = curve(runs, "fp32"), curve(runs, name)
     assert reference[-1] < reference[0] - 1.0  # the model learns, so the comparison means something
-    gaps = [abs(a - b) / b for a, b in zip(losses, reference)]
+    gaps = [abs(a - b) / b for a, b in zip(losses, reference, strict=True)]
     assert max(gaps) < 0.03, (name, max(gaps), gaps.index(max(gaps)))
     if name == "fp16":  # the scale is logged; no step of this run overflowed
         assert curve(runs, name, "skipped") == [0] * 100 and set(curve(runs, name, "loss_scale")) == {4096}
@@ -313,7 +313,7 @@ def test_bf16_true_curve_stays_within_3_percent_of_fp32_over_10_step_windows(run
     def windows(values: list[float]) -> list[float]:
         return [sum(values[i:i + 10]) / 10 for i in range(0, 100, 10)]
 
-    gaps = [abs(a - b) / b for a, b in zip(windows(losses), windows(reference))]
+    gaps = [abs(a - b) / b for a, b in zip(windows(losses), windows(reference), strict=True)]
     assert max(gaps) < 0.03, gaps
 
 

@@ -47,7 +47,8 @@ def test_run_writes_metrics_summary_and_config(tmp_path: Path) -> None:
     assert column(rows, "train_loss") and len(column(rows, "train_loss")) == 8
     assert [int(r["step"]) for r in rows if r["val_loss"]] == [4, 8]
     saved = json.loads((tmp_path / "summary.json").read_text())
-    assert saved == pytest.approx(summary)
+    # exactly the returned summary (json's float repr round-trips; NaN serializes, unlike it compares)
+    assert json.dumps(saved, sort_keys=True) == json.dumps(summary, sort_keys=True)
     for key in ("final_val_loss", "best_val_loss", "final_train_loss", "steps", "tokens", "wall_s",
                 "tokens_per_s", "mfu", "num_params", "peak_memory_bytes_per_rank"):
         assert key in saved, key

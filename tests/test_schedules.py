@@ -35,11 +35,11 @@ def values(schedule: LRSchedule, steps: range) -> list[float]:
 
 
 def is_non_increasing(xs: list[float]) -> bool:
-    return all(b <= a + 1e-12 for a, b in zip(xs, xs[1:]))
+    return all(b <= a + 1e-12 for a, b in zip(xs[:-1], xs[1:], strict=True))
 
 
 def is_non_decreasing(xs: list[float]) -> bool:
-    return all(b >= a - 1e-12 for a, b in zip(xs, xs[1:]))
+    return all(b >= a - 1e-12 for a, b in zip(xs[:-1], xs[1:], strict=True))
 
 
 # ---------------------------------------------------------------------------

@@ -188,7 +188,8 @@ def test_cooldown_under_a_schedule_multiplies_the_scheduled_lr(tmp_path: Path) -
     scheduled = [0.5 * 0.9**(step - (step > 6)) for step in range(10)]
     assert [skipped for skipped, _ in used] == [step == 6 for step in range(10)]
     factors = [1.0] * 7 + [0.25, 0.25, 1.0]
-    assert [lr for _, lr in used] == pytest.approx([lr * f for lr, f in zip(scheduled, factors)], rel=1e-12)
+    assert [lr for _, lr in used] == pytest.approx([lr * f for lr, f in zip(scheduled, factors, strict=True)],
+                                                   rel=1e-12)
 
 
 def test_max_events_aborts_and_ledger_round_trips(tmp_path: Path) -> None:
@@ -288,7 +289,7 @@ def test_loader_skips_positions_deterministically_across_a_resume_and_epochs() -
     while len(got) < 57:
         got.append(torch.cat([x for x, _ in next(resumed)]))
     kept = [batch for position, batch in enumerate(reference) if position not in (3, 4, 30)]
-    assert all(torch.equal(a, b) for a, b in zip(got, kept))
+    assert all(torch.equal(a, b) for a, b in zip(got, kept, strict=True))
     assert resumed.last_position == 59
 
 

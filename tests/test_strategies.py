@@ -164,7 +164,7 @@ def test_compressed_gradients_train_close_to_exact(runs: Path) -> None:
         assert len(compressed) == 20 and compressed[-1] < compressed[0] - 0.5, (name, compressed)
         assert compressed != exact, f"{name}: the hook did not change the gradients"
         # same data, same init: the curves stay close (PowerSGD rank 1 is the coarser approximation)
-        gap = max(abs(a - b) / b for a, b in zip(compressed, exact))
+        gap = max(abs(a - b) / b for a, b in zip(compressed, exact, strict=True))
         assert gap < (0.002 if name == "ddp_fp16" else 0.05), (name, gap)
 
 

@@ -12,8 +12,16 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.parallel.loss import _disable_custom_loss_ops, _enable_custom_loss_ops
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in nats, computed in fp32 whatever the logits' dtype.
+IGNORE_INDEX = -100
+"""A target that is not trained on (`F.cross_entropy`'s default `ignore_index`): under document masking,
+each target whose input is an end-of-document token, i.e. the next document's first token predicted from
+the previous document (`trainer.models.documents.mask_document_crossings`)."""
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy in nats over the targets that are not `IGNORE_INDEX`, computed in fp32
+    whatever the logits' dtype: their mean (`reduction="mean"`, NaN if every target is ignored) or their
+    sum (`"sum"`, 0 then).
 
     `logits` may be a DTensor sharded on the vocabulary (tensor parallelism with loss parallelism): the
     loss is then computed on the shards (a max and a sum-exp all-reduced over the vocabulary ranks, the
@@ -22,9 +30,15 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     """
     if isinstance(logits, DTensor):
         if _vocab_sharded(logits):
-            return _vocab_parallel_cross_entropy(logits, targets)
+            return _vocab_parallel_cross_entropy(logits, targets, reduction)
         logits = logits.full_tensor()  # replicated (or otherwise laid out) logits: the plain path
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+def counted_targets(targets: torch.Tensor) -> torch.Tensor:
+    """How many of `targets` the loss counts (those that are not `IGNORE_INDEX`), as a 0-d int64 tensor."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 def _vocab_sharded(logits: DTensor) -> bool:
@@ -50,12 +64,12 @@ def reentrant_loss_parallel() -> Iterator[None]:
             yield
 
 
-def _vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+def _vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     flat = logits.flatten(0, 1).float()
     if isinstance(targets, DTensor):
         targets = targets.full_tensor()
     with reentrant_loss_parallel():
-        loss = F.cross_entropy(flat, targets.flatten(0, 1))
+        loss = F.cross_entropy(flat, targets.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction=reduction)
     if torch.is_grad_enabled() and flat.requires_grad:
         _loss_parallel_in_backward(loss, flat)
     # Replicated over the vocabulary ranks: each holds the whole (already reduced) value.

@@ -110,14 +110,14 @@ class PipelineParallel(DistributedStrategy):
         return super().make_optimizer(optimizer_cfg, modules)
 
     # ---- step ---------------------------------------------------------------------------------------
-    def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of one micro-batch on the last stage."""
-        return cross_entropy_loss(logits, targets)
+    def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Mean (or, under document masking, summed) token loss of one micro-batch on the last stage."""
+        return cross_entropy_loss(logits, targets, reduction)
 
-    def _compute_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _compute_loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         # looked up at each call, so that replacing `compute_loss` on the instance (benchmarks/pipeline_bubble.py
         # times it) reaches the schedule
-        return self.compute_loss(logits, targets)
+        return self.compute_loss(logits, targets, reduction)
 
     def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
                          on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -128,7 +128,7 @@ class PipelineParallel(DistributedStrategy):
         """
         if self.pipeline is None:
             return super().forward_backward(model_parts, microbatches, on_before_backward)
-        loss = self.pipeline.forward_backward(model_parts, microbatches)
+        loss = self.pipeline.forward_backward(model_parts, microbatches, self.loss_normalizer(microbatches))
         self.reduce_gradients(model_parts)  # over the cp ranks, if any
         return loss
 
@@ -136,7 +136,7 @@ class PipelineParallel(DistributedStrategy):
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
         if self.pipeline is None:
             return super().evaluate(model_parts, batches)
-        return self.reduce_mean(self.pipeline.evaluate(model_parts, batches)).item()
+        return self.reduce_mean(self.pipeline.evaluate(model_parts, batches, self.loss_normalizer(batches))).item()
 
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         if self.pipeline is None:

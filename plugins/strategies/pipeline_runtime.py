@@ -66,13 +66,15 @@ class Pipeline:
     """This rank's pipeline stages over the `pp` mesh dimension and the schedule that runs them."""
 
     def __init__(self, options: PipelineOptions, dims: ParallelDims, device: torch.device, precision: Precision,
-                 *, compute_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+                 *, compute_loss: Callable[..., torch.Tensor] = cross_entropy_loss,
                  log_layout: bool = False) -> None:
         self.options = options
         self.dims = dims
         self.device = device
         self.precision = precision  # autocast of the stages' forwards, scaling of the loss
-        self.compute_loss = compute_loss  # the mean token loss of one micro-batch on the last stage
+        # the token loss of one micro-batch on the last stage: (logits, targets, reduction="mean" | "sum")
+        self.compute_loss = compute_loss
+        self._normalizer: torch.Tensor | None = None  # document masking: `Strategy.loss_normalizer`
         self.log_layout = log_layout
         self.num_stages = self.pp_size * options.virtual_stages
         # Filled by `split` / built lazily on the first step (the schedule needs the number of
@@ -148,10 +150,15 @@ class Pipeline:
 
         Dividing by M here (and telling the schedule not to rescale gradients) makes the accumulated
         gradient that of the mean loss over the step, as in single-process gradient accumulation.
-        The unscaled value is recorded for reporting. torch's shape inference also calls this once
-        before the real micro-batches (first step, and after each evaluation), hence "the last M".
+        Under document masking the summed token loss is divided by the strategy's normalizer instead
+        (`Strategy.loss_normalizer`). The unscaled value is recorded for reporting. torch's shape
+        inference also calls this once before the real micro-batches (first step, and after each
+        evaluation), hence "the last M".
         """
-        loss = self.compute_loss(output, targets) / self._schedule_microbatches
+        if self._normalizer is None:
+            loss = self.compute_loss(output, targets) / self._schedule_microbatches
+        else:
+            loss = self.compute_loss(output, targets, reduction="sum") / self._normalizer
         self._recorded_losses.append(loss.detach())
         if self._scale_in_loss:
             return self.precision.scale_loss(loss)
@@ -208,24 +215,31 @@ class Pipeline:
         dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_pp_rank)
         return value
 
-    def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch]) -> torch.Tensor:
+    def forward_backward(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
+                         normalizer: torch.Tensor | None = None) -> torch.Tensor:
         """Run the schedule over this rank's micro-batches; the mean loss on every pp rank.
 
         The backward passes happen inside torch's schedule (so a strategy's `on_before_backward` is not
         called). The loss goes through `precision.scale_loss` in the loss function, so a loss scaler
-        scales what the schedule back-propagates.
+        scales what the schedule back-propagates. `normalizer`: see `_loss`.
         """
         # MoE aux losses (on any stage) get the gradient each micro-batch's LM loss gets in the loss function.
         unit = torch.ones((), device=self.device) / len(microbatches)
-        with aux_loss_grad_scale_set(float(self.precision.scale_loss(unit))):
-            loss = self._run_schedule(model_parts, microbatches, train=True)
+        self._normalizer = normalizer
+        try:
+            with aux_loss_grad_scale_set(float(self.precision.scale_loss(unit))):
+                loss = self._run_schedule(model_parts, microbatches, train=True)
+        finally:
+            self._normalizer = None
         self.tied.sum_grads()
         return self._from_last_stage(loss)
 
     @torch.no_grad()
-    def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> torch.Tensor:
+    def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch],
+                 normalizer: torch.Tensor | None = None) -> torch.Tensor:
         """Mean loss over the validation micro-batches, forward only (`schedule.eval`), on every pp rank
-        (not yet averaged over data-parallel ranks).
+        (not yet averaged over data-parallel ranks). With a `normalizer` (document masking: the
+        strategy's `loss_normalizer` of all the batches), the sum of their token losses divided by it.
 
         The batches are run in groups of the training schedule's micro-batch count (run.py builds the
         validation set as `val_batches` such groups), so the same stages and buffers serve both.
@@ -235,14 +249,16 @@ class Pipeline:
             raise ValueError(f"{len(batches)} validation micro-batches do not split into pipeline steps of {num}")
         for part in model_parts:
             part.eval()
+        self._normalizer = normalizer
         try:
             total = torch.zeros((), device=self.device)
             for start in range(0, len(batches), num):
                 total += self._run_schedule(model_parts, batches[start:start + num], train=False)
         finally:
+            self._normalizer = None
             for part in model_parts:
                 part.train()
-        return self._from_last_stage(total / (len(batches) // num))
+        return self._from_last_stage(total if normalizer is not None else total / (len(batches) // num))
 
     # ---- across stages --------------------------------------------------------------------------------
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:

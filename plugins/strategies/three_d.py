@@ -239,7 +239,7 @@ class ThreeD(DistributedStrategy):
                          on_before_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         if self.pipeline is None:
             return super().forward_backward(model_parts, microbatches, on_before_backward)
-        loss = self.pipeline.forward_backward(model_parts, microbatches)
+        loss = self.pipeline.forward_backward(model_parts, microbatches, self.loss_normalizer(microbatches))
         self.reduce_gradients(model_parts)
         return loss
 
@@ -267,7 +267,7 @@ class ThreeD(DistributedStrategy):
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
         if self.pipeline is None:
             return super().evaluate(model_parts, batches)
-        return self.reduce_mean(self.pipeline.evaluate(model_parts, batches)).item()
+        return self.reduce_mean(self.pipeline.evaluate(model_parts, batches, self.loss_normalizer(batches))).item()
 
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         # sequence-parallel norm weights hold partial gradients: reduce them before any norm is taken

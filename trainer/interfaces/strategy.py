@@ -21,8 +21,8 @@ from omegaconf import DictConfig
 
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
-from trainer.loss import cross_entropy_loss
-from trainer.models.documents import document_ids
+from trainer.loss import counted_targets, cross_entropy_loss
+from trainer.models.documents import document_ids, mask_document_crossings
 from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.optim import optimizer_from_config
 from trainer.parallel_dims import ParallelDims
@@ -225,10 +225,28 @@ class Strategy:
     def local_batches(self, microbatches: Sequence[MicroBatch]) -> Sequence[MicroBatch]:
         """This rank's part of each (inputs, targets) micro-batch the loader gives its data-parallel rank:
         all of it, except under context parallelism (its tokens of every sequence). Under document masking
-        each becomes (inputs, targets, doc_ids), the ids of the whole sequence's documents."""
-        if self.document_eos_id is None:
+        each becomes (inputs, targets, doc_ids), the ids of the whole sequence's documents, and the targets
+        that cross into the next document (input: an end-of-document token) get the loss's ignore index,
+        before any sharding, so the mask travels with the labels."""
+        eos = self.document_eos_id
+        if eos is None:
             return microbatches
-        return [(inputs, targets, document_ids(inputs, self.document_eos_id)) for inputs, targets, *_ in microbatches]
+        return [(inputs, mask_document_crossings(inputs, targets, eos), document_ids(inputs, eos))
+                for inputs, targets, *_ in microbatches]
+
+    def loss_normalizer(self, microbatches: Sequence[MicroBatch]) -> torch.Tensor | None:
+        """What this rank divides the summed token losses of its micro-batches by, under document masking:
+        the counted (not ignored) targets of the whole global batch, divided by the data- x
+        context-parallel ranks (the mean of the ranks' counts), since the gradients are averaged over
+        those ranks. The step's gradient and logged loss are then those of the mean over every counted
+        target of the global batch, whatever the micro-batches, data- and context-parallel sizes. None
+        without document masking: every micro-batch holds the same number of targets, and its mean loss
+        divided by the number of micro-batches is the same mean."""
+        if self.document_eos_id is None:
+            return None
+        count = sum(counted_targets(targets) for _, targets, *_ in microbatches)
+        mean = self.reduce_mean(torch.as_tensor(count, dtype=torch.float64).to(self.device))
+        return torch.where(mean > 0, mean, 1.0).float()  # no counted target anywhere: a loss of 0, not 0/0
 
     def forward_backward(
         self,
@@ -240,10 +258,11 @@ class Strategy:
         (model,) = model_parts
         total = torch.zeros((), device=self.device)
         last = len(microbatches) - 1
+        normalizer = self.loss_normalizer(microbatches)
         for index, (inputs, targets, *doc_ids) in enumerate(microbatches):
             with self.backward_sync(model, last_microbatch=index == last):
                 total += self.microbatch_backward(model, inputs, targets, len(microbatches), on_before_backward,
-                                                  *doc_ids)
+                                                  *doc_ids, normalizer=normalizer)
         return total
 
     def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
@@ -254,15 +273,20 @@ class Strategy:
     def microbatch_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                             num_microbatches: int,
                             on_before_backward: Callable[[torch.Tensor], None] | None = None,
-                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                            doc_ids: torch.Tensor | None = None, *,
+                            normalizer: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss divided by the number of micro-batches
         so that the accumulated gradient is the gradient of the mean loss (they hold equal token
-        counts). Returns that divided loss, detached."""
+        counts); with a `normalizer` (document masking: `loss_normalizer`), its summed token loss divided
+        by that. Returns that divided loss, detached."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         with self.precision.autocast():
             logits = forward(model, inputs, doc_ids, self.device)
-        loss = cross_entropy_loss(logits, targets) / num_microbatches
+        if normalizer is None:
+            loss = cross_entropy_loss(logits, targets) / num_microbatches
+        else:
+            loss = cross_entropy_loss(logits, targets, reduction="sum") / normalizer
         if on_before_backward is not None:
             on_before_backward(loss)
         # MoE aux losses get the gradient the LM loss gets: 1 / micro-batches, times a loss scaler's scale.
@@ -278,16 +302,20 @@ class Strategy:
 
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
-        """Mean loss over the validation batches (each rank evaluates its slice)."""
+        """Mean loss over the validation batches (each rank evaluates its slice); under document masking
+        the mean over all their counted targets (`loss_normalizer`)."""
         (model,) = model_parts
         model.eval()
+        normalizer = self.loss_normalizer(batches)
         total = torch.zeros((), device=self.device)
         for inputs, targets, *doc_ids in batches:
             with self.precision.autocast():
                 logits = forward(model, inputs.to(self.device), doc_ids[0] if doc_ids else None, self.device)
-            total += cross_entropy_loss(logits, targets.to(self.device))
+            total += cross_entropy_loss(logits, targets.to(self.device), "mean" if normalizer is None else "sum")
         model.train()
-        return self.reduce_mean(total / len(batches)).item()
+        if normalizer is None:
+            return self.reduce_mean(total / len(batches)).item()
+        return (self.reduce_mean(total) / normalizer).item()
 
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         """Turn this rank's accumulated gradients into the data-parallel mean, where the optimizer reads

@@ -10,11 +10,21 @@ an EOS between documents; a model receives those ids for the whole sequence (als
 parallelism, where a rank holds only some of its tokens: the ring needs the ids of the K/V blocks it
 receives). The mask is dense (`[B, 1, S, S]` booleans for SDPA): flex_attention's block masks would avoid
 it on GPUs.
+
+The loss: a document alone, `d_0 ... d_{n-1} EOS`, is trained on the targets `d_1 ... d_{n-1} EOS` (its
+inputs `d_0 ... d_{n-1}`). Packed, one more target follows it: the next document's first token, predicted
+at the EOS from this document's context. `mask_document_crossings` sets that target to the loss's ignore
+index (Megatron-LM's `eod_mask_loss`: no loss where the input is the EOS), in the labels, before context
+parallelism shards them or a pipeline cuts them, so a packed document's summed loss is exactly its loss
+alone. The loss is then the mean over the counted targets of the whole global batch
+(`Strategy.loss_normalizer`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from trainer.loss import IGNORE_INDEX
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -41,3 +51,10 @@ def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, causal: bool = True)
         sq, sk = q_ids.shape[1], k_ids.shape[1]
         mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=q_ids.device).tril()
     return mask
+
+
+def mask_document_crossings(inputs: torch.Tensor, targets: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """`targets` with the loss's ignore index wherever the input is the end-of-document token: the target
+    there is the next document's first token (also when it lies just past the window), not one of the
+    targets of the document that the EOS ends."""
+    return targets.masked_fill(inputs == eos_id, IGNORE_INDEX)
