@@ -4,10 +4,10 @@ from trainer.interfaces.strategy import Strategy
 from trainer.plugins.strategies.single import SingleDevice, SingleDeviceConfig
 from trainer.plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
 from trainer.plugins.strategies.distributed import DistributedStrategy
-from trainer.plugins.strategies.fsdp import FSDP, FSDPConfig
+from trainer.plugins.strategies.fsdp import FSDP, FSDPConfig, FSDPOptions, FSDPSharding
 from trainer.plugins.strategies.tensor_parallel import TensorParallelConfig
 from trainer.plugins.strategies.pipeline import PipelineParallelConfig
-from trainer.plugins.strategies.three_d import ThreeDConfig
+from trainer.plugins.strategies.three_d import ThreeD, ThreeDConfig
 from trainer.plugins.strategies.zero2 import ZeRO2, ZeRO2Config
 
 # Schema of each strategy, registered in Hydra's ConfigStore as `<name>_schema` (conf/strategy/*.yaml
@@ -26,5 +26,6 @@ SCHEMAS = STRATEGY_SCHEMAS  # the name every config family exports (trainer.conf
 
 __all__ = [
     "Strategy", "SingleDevice", "SingleDeviceConfig", "DistributedStrategy",
-    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "ZeRO2", "ZeRO2Config", "FSDP", "FSDPConfig", "STRATEGY_SCHEMAS", "SCHEMAS",
+    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "ZeRO2", "ZeRO2Config", "FSDP", "FSDPConfig", "FSDPOptions",
+    "FSDPSharding", "ThreeD", "ThreeDConfig", "STRATEGY_SCHEMAS", "SCHEMAS",
 ]
