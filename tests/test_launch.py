@@ -75,6 +75,9 @@ def test_torchrun_workers_join_and_share_one_run_dir(tmp_path: Path) -> None:
     run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert run_dirs == [summaries[0].parent], run_dirs
     assert (result.stdout + result.stderr).count("step 4/4 |") == 1
+    # 2 micro-batches a step: grad_sync=auto was settled (and agreed over the group the run joined before
+    # building the strategy) once, by rank 0's log
+    assert (result.stdout + result.stderr).count("strategy=zero3: grad_sync=auto -> step: whole gradients") == 1
 
 
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ import json
 import logging
 import os
 import random
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,18 +19,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import checkpoint_directory, resume, save_checkpoint
 from trainer.checkpoint.manifest import is_checkpoint, remove_partial_saves, step_dirname
-from trainer.config import ConfigError, tokens_per_step, total_steps, validate
+from trainer.config import ConfigError, tokens_per_step, total_steps, validate, world_size
 from trainer.data import build_loaders
 from trainer.data.config import source_config
 from trainer.collectives import enable_flight_recorder
 from trainer.hang import HangWatchdog
 from trainer.hardware import peak_flops_with_note, reset_peak_memory
 from trainer.launch import agree_on_run_dir
-from trainer.interfaces.strategy import Strategy
+from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+from trainer.interfaces.precision import Precision
+from trainer.interfaces.strategy import DEFAULT_COLLECTIVE_TIMEOUT_S, Strategy, resolve_device
 from trainer.loop import Trainer
 from trainer.models import build_meta_model
 from trainer.planner.accumulation import AccumulationChoice, choose_grad_sync, this_machine
 from trainer.planner.core import hardware_from_config
+from trainer.plugins.strategies.distributed import all_ranks_agree, init_process_group
 
 log = logging.getLogger("trainer")
 
@@ -84,42 +88,74 @@ def build_data(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
                          dp_rank=dp_rank, dp_size=dp_size)
 
 
-def settle_grad_sync(cfg: DictConfig, strategy: Strategy) -> None:
-    """`grad_sync=auto`: the strategy reduces once per step when the planner finds that it fits this
-    machine (trainer/planner/accumulation.py); the choice is logged and written into the run's config."""
-    found: list[AccumulationChoice] = []
+def settle_grad_sync(cfg: DictConfig, precision: Precision, activation_checkpointing: ActivationCheckpointing,
+                     device: torch.device, agree: Callable[[bool], bool]) -> AccumulationChoice | None:
+    """`strategy.grad_sync=auto`, settled before the strategy is built: the planner's choice for this machine
+    (trainer/planner/accumulation.py, with the run's own precision and checkpointing plugins and the memory of
+    `device`), agreed by every rank (`agree(flag)`: True when the flag holds on all of them, so a rank whose
+    memory is short makes them all reduce per micro-batch), then written into `cfg.strategy` (grad_sync and
+    reshard_after_backward), from which the strategy is built and config.yaml is written. Returns the choice
+    (for the log), None when there was none to make; every rank takes the same branches, as `agree` is a
+    collective."""
+    if cfg.strategy.get("grad_sync", None) != "auto":
+        return None
+    machine = this_machine(hardware_from_config(cfg), device, int(cfg.trainer.devices))
+    local = choose_grad_sync(cfg, machine, precision, activation_checkpointing)
+    if local is None:  # a strategy (flavour) without the choice: nothing is written, it keeps "auto"
+        return None
+    per_step = agree(local.grad_sync == "step")
+    if per_step == (local.grad_sync == "step"):
+        chosen = local
+    else:  # this rank fits, another one does not
+        chosen = AccumulationChoice("microbatch", True, local.reason, note=" (another rank's memory decided)")
+    cfg.strategy.grad_sync, cfg.strategy.reshard_after_backward = chosen.grad_sync, chosen.reshard_after_backward
+    return chosen
 
-    def per_step_fits() -> bool:
-        machine = this_machine(hardware_from_config(cfg), strategy.device, int(cfg.trainer.devices))
-        found.append(choose_grad_sync(cfg, machine))
-        return found[0].grad_sync == "step"
 
-    chosen = strategy.resolve_grad_sync(per_step_fits)
-    if chosen is None:
-        return
-    cfg.strategy.grad_sync, cfg.strategy.reshard_after_backward = chosen
-    if strategy.is_global_zero:
-        agreed = "" if found[0].grad_sync == chosen[0] else " (another rank's memory decided)"
-        log.info(f"{strategy.label}: grad_sync=auto -> {chosen[0]}{agreed}: {found[0].reason}")
+def collective_timeout_s(t: DictConfig) -> float:
+    """The process group's timeout: the default, or above the hang watchdog's longest deadline when it is on,
+    so that its diagnosis comes before the collective's own timeout."""
+    if t.hang_timeout_s <= 0:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    longest = t.hang_timeout_s * max(t.hang_first_step_factor, t.hang_save_factor)
+    return max(DEFAULT_COLLECTIVE_TIMEOUT_S, longest + 120.0)
+
+
+def join_process_group(cfg: DictConfig, device: torch.device, timeout_s: float) -> bool:
+    """A multi-process run joins its process group before any plugin is built, so that what every rank must
+    choose alike (grad_sync=auto) is agreed before the strategy is built with it. The same group the strategy
+    would make (`init_process_group`); returns whether this call made it, in which case the strategy adopts
+    it (`setup_environment(adopt_process_group=True)`) and destroys it at teardown. A program that made the
+    group itself keeps it."""
+    if world_size(cfg) < 2:
+        return False  # one process: nothing to agree on, and the strategy makes its group of one as before
+    return init_process_group(device, timeout_s)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     """Everything a run needs, in the order it needs it, handed to the loop."""
     validate(cfg)
     t = cfg.trainer
-    strategy = instantiate(cfg.strategy)
     if t.record_collectives:
         enable_flight_recorder()  # before the process groups are made
-    if t.hang_timeout_s > 0:  # the process group's own timeout comes after the watchdog's diagnosis
-        longest = t.hang_timeout_s * max(t.hang_first_step_factor, t.hang_save_factor)
-        strategy.collective_timeout_s = max(strategy.collective_timeout_s, longest + 120.0)
+    timeout_s = collective_timeout_s(t)
+    device = resolve_device(t.accelerator, int(os.environ.get("LOCAL_RANK", "0")))
+    made_group = join_process_group(cfg, device, timeout_s)
+    # The plugins the strategy's settings depend on come first, and the planner settles grad_sync with them.
+    precision = instantiate(cfg.precision)
+    activation_checkpointing = instantiate(cfg.activation_checkpointing)
+    settled = settle_grad_sync(cfg, precision, activation_checkpointing, device,
+                               agree=partial(all_ranks_agree, device=device))
+    strategy = instantiate(cfg.strategy)  # with grad_sync settled
+    strategy.collective_timeout_s = timeout_s
     strategy.setup_environment(t.accelerator, t.num_threads, cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.cp_method,
-                               ep=cfg.ep)
+                               ep=cfg.ep, adopt_process_group=made_group)
     reset_peak_memory(strategy.device)  # this run's peak, also when a sweep runs jobs in one process
     run_dir = agree_on_run_dir(strategy, run_dir)
     rank_zero_only.rank = strategy.rank  # type: ignore[attr-defined]
-    strategy.connect_precision(instantiate(cfg.precision))
-    settle_grad_sync(cfg, strategy)
+    strategy.connect_precision(precision)
+    if settled is not None and strategy.is_global_zero:
+        log.info(f"{strategy.label}: {settled.describe()}")
     seed_everything(t.seed)
 
     # Built on the meta device: nothing is allocated until the strategy has placed it.
@@ -127,7 +163,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     num_params = model.num_params()
     num_active_params = model.num_active_params()
     flops_per_token = model.flops_per_token(t.seq_len)
-    model_parts = strategy.setup_model(model, instantiate(cfg.activation_checkpointing), t.compile)
+    model_parts = strategy.setup_model(model, activation_checkpointing, t.compile)
 
     optimizer = strategy.build_optimizer(cfg.optimizer, model_parts)
     steps = total_steps(cfg)

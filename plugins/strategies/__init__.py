@@ -8,7 +8,7 @@ from trainer.interfaces.strategy import Strategy
 from trainer.plugins.strategies.single import SingleDevice, SingleDeviceConfig
 from trainer.plugins.strategies.ddp import DDP, DDPConfig, ZeRO1, ZeRO1Config
 from trainer.plugins.strategies.distributed import DistributedStrategy
-from trainer.plugins.strategies.fsdp import FSDP, FSDPConfig
+from trainer.plugins.strategies.fsdp import FSDP, FSDPConfig, FSDPOptions, FSDPSharding
 from trainer.plugins.strategies.tensor_parallel import TensorParallel, TensorParallelConfig
 from trainer.plugins.strategies.pipeline import PipelineParallel, PipelineParallelConfig
 from trainer.plugins.strategies.three_d import ThreeD, ThreeDConfig
@@ -30,7 +30,7 @@ SCHEMAS = STRATEGY_SCHEMAS  # the name every config family exports (trainer.conf
 
 __all__ = [
     "Strategy", "SingleDevice", "SingleDeviceConfig", "DistributedStrategy",
-    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "ZeRO2", "ZeRO2Config", "FSDP", "FSDPConfig", "TensorParallel",
-    "TensorParallelConfig", "PipelineParallel", "PipelineParallelConfig", "ThreeD", "ThreeDConfig",
-    "STRATEGY_SCHEMAS", "SCHEMAS",
+    "DDP", "DDPConfig", "ZeRO1", "ZeRO1Config", "ZeRO2", "ZeRO2Config", "FSDP", "FSDPConfig", "FSDPOptions",
+    "FSDPSharding", "TensorParallel", "TensorParallelConfig", "PipelineParallel", "PipelineParallelConfig", "ThreeD",
+    "ThreeDConfig", "STRATEGY_SCHEMAS", "SCHEMAS",
 ]

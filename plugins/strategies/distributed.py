@@ -43,6 +43,16 @@ def init_process_group(device: torch.device, timeout_s: float = 600.0) -> bool:
     return True
 
 
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True when `flag` holds on every rank of the default process group (one all-reduce), for a choice every
+    rank must make alike; `flag` itself when there is no process group (one process)."""
+    if not dist.is_initialized():
+        return flag
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return bool(tensor.item())
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -125,13 +135,15 @@ class DistributedStrategy(Strategy):
         return {**super().planner_layout(dp, tp, pp, cp), "dp_replicate": replicate, "dp_shard": shard}
 
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
-                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1) -> None:
+                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1, *,
+                          adopt_process_group: bool = False) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         super().setup_environment(accelerator, num_threads or max(1, (os.cpu_count() or 1) // local_world))
-        self._owns_process_group = init_process_group(self.device, self.collective_timeout_s)
+        made = init_process_group(self.device, self.collective_timeout_s)
+        self._owns_process_group = made or adopt_process_group
         if not self.uses_dp:
             data_parallel = 1
         else:
@@ -143,12 +155,6 @@ class DistributedStrategy(Strategy):
         cp_mesh = self.parallel_dims.cp_mesh()
         if cp_mesh is not None:
             self.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp, cp_method)
-
-    def all_ranks_agree(self, flag: bool) -> bool:
-        """True when `flag` holds on every rank (one all-reduce): a choice every rank must make alike."""
-        tensor = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return bool(tensor.item())
 
     @property
     def dims(self) -> ParallelDims:

@@ -8,6 +8,12 @@ One implementation at different points:
   its backward, block by block, with the next block's gather prefetched.
 - `fsdp` exposes all modes, including `hybrid_shard`: shard inside groups of ranks, replicate across
   them (a 2-D replicate x shard mesh).
+
+FSDP2's options are one dataclass, `FSDPOptions`, for every strategy that shards with FSDP2: the schemas of
+`strategy=fsdp` / `zero3` (`FSDPConfig`) and of `strategy=3d` (`ThreeDConfig`) inherit its fields, so the
+user-facing keys stay flat (`strategy.grad_sync=step`), and each strategy turns them into one `FSDPOptions`
+that it hands whole to an `FSDPSharding` (the options with a sharding mode, and everything that follows
+from them: the data-parallel split, the wrapping, the accumulation controls, the planner's fields).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, cast
+from typing import Any, ContextManager, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -33,58 +39,89 @@ GRAD_SYNC_MODES = ("auto", "microbatch", "step")
 
 @dataclass
 class FSDPOptions:
-    """FSDP2's options with their checks and what follows from them, shared by `strategy=fsdp` (and zero3)
-    and the sharded data-parallel flavours of `strategy=3d`."""
+    """FSDP2's options, the one definition for `strategy=fsdp`, `zero3` and the sharded data-parallel flavours
+    of `strategy=3d` (their schemas inherit these fields; the strategies hold one instance).
 
-    sharding: str = "full_shard"
-    # hybrid_shard: number of replicas (None: `default_replicate`).
+    Plain values, checked on construction; what follows from them together with a sharding mode (the
+    defaults left as null) is `FSDPSharding`'s. Nothing is written back, so the object a strategy holds
+    reads as the config that made it."""
+
+    # hybrid_shard: number of replicas (null: nodes on a cluster should set it, strategy.dp_replicate=NUM_NODES,
+    # so that shards stay inside a node; locally the smallest factor of dp >= 2).
     dp_replicate: Optional[int] = None
+    # Blocks whose parameters are gathered ahead of use, in forward and backward (0: FSDP2's own backward
+    # prefetch of one block only).
     prefetch_blocks: int = 1
-    # None: true for full_shard and hybrid_shard, false for shard_grad_op.
+    # Free the gathered parameters after each block's forward and gather them again for its backward
+    # (null: true for full_shard and hybrid_shard, false for shard_grad_op).
     reshard_after_forward: Optional[bool] = None
+    # With reshard_after_forward: free the last block's parameters after its forward too (false: keep them,
+    # since the backward starts with that block and would gather them again at once).
+    reshard_last_block: bool = False
     # Sharded parameters, their gradients and the optimizer step in host memory (FSDP2's CPUOffloadPolicy).
     offload_params: bool = False
-    # Only the optimizer's states (and fp32 masters) in host memory, stepped there; parameters and the
-    # forward/backward stay on the device (ZeRO-Offload). Implied by offload_params.
+    # Only the optimizer: this rank's optimizer states (and fp32 masters) in host memory, stepped there;
+    # parameters and the forward/backward stay on the device (ZeRO-Offload). Implied by offload_params.
     offload_optimizer: bool = False
-    # Gradient accumulation: reduce-scatter after every micro-batch's backward ("microbatch": each rank
-    # holds only its gradient shard), once per optimizer step ("step": the micro-batches' gradients
-    # accumulate unsharded, a whole gradient per rank, and one reduce-scatter sums them), or "auto": step
-    # when the planner finds that it fits the device, else microbatch (trainer/planner/accumulation.py),
-    # resolved by the run (`resolve_grad_sync`); until then it acts as microbatch.
+    # Gradient accumulation: reduce-scatter after every micro-batch's backward ("microbatch": only a
+    # gradient shard is ever held), once per optimizer step ("step": a whole gradient accumulates on every
+    # rank and one reduce-scatter sums it), or "auto": step when the planner finds that the whole gradient and
+    # parameters fit this device's memory (less plan.headroom), else microbatch. The run settles auto before
+    # it builds the strategy (trainer.run.settle_grad_sync), logs the choice and writes it into config.yaml;
+    # a strategy built with auto (the planner, validation) reduces per micro-batch.
     grad_sync: str = "auto"
-    # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true), or
-    # keep them for the next micro-batch's forward (false: one all-gather fewer per block and micro-batch,
-    # the whole parameters held in between). The last micro-batch always frees them. None: false with
-    # grad_sync=step (the whole gradient is held anyway), true with microbatch; chosen with grad_sync=auto.
+    # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true) or keep
+    # them for the next micro-batch's forward (false: one all-gather fewer per block and micro-batch, the
+    # whole parameters held in between). The last micro-batch always frees them. null: false with
+    # grad_sync=step (the whole gradient is held anyway), true with microbatch; settled together with
+    # grad_sync=auto (leave it null).
     reshard_after_backward: Optional[bool] = None
-    # With reshard_after_forward: free the last block's parameters after its forward too (false: keep
-    # them, since the backward starts with that block and would gather them again at once).
-    reshard_last_block: bool = False
 
     def __post_init__(self) -> None:
-        if self.sharding not in SHARDING_MODES:
-            raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {self.sharding!r}")
         if self.prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
-        if self.sharding == "hybrid_shard" and self.dp_replicate is not None and self.dp_replicate < 2:
-            raise ValueError("hybrid_shard needs dp_replicate >= 2 (with 1 it is full_shard)")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC_MODES)}, got {self.grad_sync!r}")
         if self.grad_sync == "auto" and self.reshard_after_backward is not None:
             raise ValueError("reshard_after_backward is chosen together with grad_sync=auto; set grad_sync=step "
                              "or grad_sync=microbatch to set it yourself")
-        if self.grad_sync != "auto" and self.reshard_after_backward is None:
-            self.reshard_after_backward = self.grad_sync != "step"
-        if self.reshard_after_forward is None:
-            self.reshard_after_forward = self.sharding != "shard_grad_op"
+
+
+class FSDPSharding:
+    """FSDP2 as a strategy applies it: a sharding mode (`strategy.sharding` of fsdp/zero3, the sharded
+    `data_parallel` flavours of 3d) with its `FSDPOptions`, and what follows from the two: the data-parallel
+    split, the wrapping, the accumulation controls, offloading and the planner's fields. `strategy=fsdp` and
+    `strategy=3d` both go through it, so an option cannot reach one and miss the other."""
+
+    def __init__(self, mode: str, options: FSDPOptions) -> None:
+        if mode not in SHARDING_MODES:
+            raise ValueError(f"sharding must be one of {', '.join(SHARDING_MODES)}, got {mode!r}")
+        if mode == "hybrid_shard" and options.dp_replicate is not None and options.dp_replicate < 2:
+            raise ValueError("hybrid_shard needs dp_replicate >= 2 (with 1 it is full_shard)")
+        self.mode = mode
+        self.options = options
         self._offload_noted = False
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """The options' setting, or the mode's default: only shard_grad_op keeps parameters for the backward."""
+        if self.options.reshard_after_forward is not None:
+            return self.options.reshard_after_forward
+        return self.mode != "shard_grad_op"
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        """The options' setting, or false with grad_sync=step (the whole gradient is held anyway) and true
+        otherwise (an unsettled auto acts as microbatch: FSDP2's defaults)."""
+        if self.options.reshard_after_backward is not None:
+            return self.options.reshard_after_backward
+        return self.options.grad_sync != "step"
 
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard): shard over all `dp` ranks, or replicate x shard for hybrid_shard."""
-        if self.sharding != "hybrid_shard":
+        if self.mode != "hybrid_shard":
             return 1, dp
-        replicate = self.dp_replicate or self.default_replicate(dp)
+        replicate = self.options.dp_replicate or self.default_replicate(dp)
         if dp % replicate or replicate in (1, dp):
             raise ValueError(f"hybrid_shard needs dp = dp_replicate x dp_shard with both >= 2; "
                              f"dp={dp} and dp_replicate={replicate} do not factor that way")
@@ -100,50 +137,34 @@ class FSDPOptions:
     def dp_flavour(self) -> str:
         """What the planner calls this sharding: shard_grad_op (parameters kept gathered between forward
         and backward), zero3 or hybrid_shard."""
-        if self.sharding == "hybrid_shard":
+        if self.mode == "hybrid_shard":
             return "hybrid_shard"
         return "zero3" if self.reshard_after_forward else "shard_grad_op"
-
-    def resolve_grad_sync(self, per_step_fits: Callable[[], bool],
-                          agree: Callable[[bool], bool]) -> Optional[tuple[str, bool]]:
-        """Settle `grad_sync=auto` (`Strategy.resolve_grad_sync`): once per step when `per_step_fits()` holds
-        on every rank (`agree`), else per micro-batch; reshard_after_backward follows. Returns the settings
-        chosen, None when they were set explicitly (or already settled)."""
-        if self.grad_sync != "auto":
-            return None
-        per_step = agree(per_step_fits())
-        self.grad_sync = "step" if per_step else "microbatch"
-        self.reshard_after_backward = not per_step
-        return self.grad_sync, self.reshard_after_backward
-
-    @property
-    def _reshards_after_backward(self) -> bool:
-        return self.reshard_after_backward is not False  # None: grad_sync=auto not resolved, microbatch's
 
     def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
         """FSDP2's gradient-sync and reshard controls for one micro-batch of an accumulating step (the
         controls torch.distributed.pipelining sets around its micro-batches)."""
-        sync = self.grad_sync != "step"  # an unresolved auto reduces per micro-batch
-        if sync and self._reshards_after_backward:
+        sync = self.options.grad_sync != "step"  # an unsettled auto reduces per micro-batch
+        if sync and self.reshard_after_backward:
             return contextlib.nullcontext()
-        return accumulation_flags(model, last_microbatch, sync=sync, reshard=self._reshards_after_backward)
+        return accumulation_flags(model, last_microbatch, sync=sync, reshard=self.reshard_after_backward)
 
     @property
     def offload(self) -> bool:
         """FSDP2's CPUOffloadPolicy: it moves the sharded parameters and takes the optimizer along."""
-        return self.offload_params
+        return self.options.offload_params
 
     @property
     def optimizer_host(self) -> torch.device | None:
         """Where the optimizer steps when only it is offloaded (on a CPU run the host copies sit in the same
         memory: nothing is saved, the path is the one a GPU run takes)."""
-        return torch.device("cpu") if self.offload_optimizer and not self.offload_params else None
+        return torch.device("cpu") if self.options.offload_optimizer and not self.options.offload_params else None
 
     def planner_fields(self) -> dict[str, Any]:
         """The sharding's fields of the planner's `Layout`."""
         return {"dp_flavour": self.dp_flavour, "reshard_after_forward": self.reshard_after_forward,
-                "prefetch_blocks": self.prefetch_blocks, "offload": self.offload, "grad_sync": self.grad_sync,
-                "reshard_after_backward": self._reshards_after_backward,
+                "prefetch_blocks": self.options.prefetch_blocks, "offload": self.offload,
+                "grad_sync": self.options.grad_sync, "reshard_after_backward": self.reshard_after_backward,
                 "offload_optimizer": self.optimizer_host is not None}
 
     def offload_policy(self, device: torch.device, is_global_zero: bool) -> OffloadPolicy:
@@ -159,54 +180,55 @@ class FSDPOptions:
         # FSDP2 offloads the sharded parameters, their gradients and the optimizer step together.
         return CPUOffloadPolicy(pin_memory=True)
 
+    def wrap(self, model: nn.Module, mesh: DeviceMesh | None, edp_mesh: DeviceMesh | None, *,
+             mp_policy: MixedPrecisionPolicy, device: torch.device, is_global_zero: bool) -> nn.Module:
+        """`fully_shard` over `mesh` as the options say: the experts' own units over `edp_mesh` first (expert
+        parallelism), then one unit per block and the root (`wrap_fsdp`)."""
+        offload_policy = self.offload_policy(device, is_global_zero)
+        shard_experts(model, edp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                      reshard_after_forward=self.reshard_after_forward)
+        return wrap_fsdp(model, mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                         reshard_after_forward=self.reshard_after_forward,
+                         prefetch_blocks=self.options.prefetch_blocks,
+                         reshard_last_block=self.options.reshard_last_block)
+
 
 class FSDP(DistributedStrategy):
-    """FSDP2 over the data-parallel ranks; one `fully_shard` unit per transformer block plus the root."""
+    """FSDP2 over the data-parallel ranks; one `fully_shard` unit per transformer block plus the root.
+
+    `sharding` picks the mode; every other option is a field of `FSDPOptions`, which Hydra hands over flat,
+    as the config node holds them (it calls `_target_` with the node's keys). They make one `FSDPOptions`
+    here, the only place they are unpacked, which the strategy keeps whole in `self.fsdp`."""
 
     name = "fsdp"
     supports_ep = True
     gathers_parameters = True  # type: ignore[assignment]
 
-    def __init__(self, sharding: str = "full_shard", dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
-                 reshard_after_forward: Optional[bool] = None, offload_params: bool = False,
-                 offload_optimizer: bool = False, grad_sync: str = "auto",
-                 reshard_after_backward: Optional[bool] = None, reshard_last_block: bool = False, init: str = "auto",
-                 name: Optional[str] = None) -> None:
+    def __init__(self, sharding: str = "full_shard", *, init: str = "auto", name: Optional[str] = None,
+                 **options: Any) -> None:
         super().__init__(init=init, name=name)
-        self.options = FSDPOptions(sharding=sharding, dp_replicate=dp_replicate, prefetch_blocks=prefetch_blocks,
-                                   reshard_after_forward=reshard_after_forward,
-                                   offload_params=offload_params, offload_optimizer=offload_optimizer,
-                                   grad_sync=grad_sync, reshard_after_backward=reshard_after_backward,
-                                   reshard_last_block=reshard_last_block)
+        self.fsdp = FSDPSharding(sharding, FSDPOptions(**options))
 
     @property
     def optimizer_host(self) -> torch.device | None:
-        return self.options.optimizer_host
+        return self.fsdp.optimizer_host
 
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
-        return self.options.data_parallel_split(dp)
+        return self.fsdp.data_parallel_split(dp)
 
     def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp, cp), **self.options.planner_fields()}
+        return {**super().planner_layout(dp, tp, pp, cp), **self.fsdp.planner_fields()}
 
     def wrap_data_parallel(self, model: nn.Module) -> nn.Module:
-        shard_experts(model, self.dims.edp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
-                      offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
-                      reshard_after_forward=bool(self.options.reshard_after_forward))
-        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
-                         offload_policy=self.options.offload_policy(self.device, self.is_global_zero),
-                         reshard_after_forward=self.options.reshard_after_forward,  # type: ignore[arg-type]
-                         prefetch_blocks=self.options.prefetch_blocks,
-                         reshard_last_block=self.options.reshard_last_block)
+        return self.fsdp.wrap(model, self.dims.fsdp_mesh(), self.dims.edp_mesh(),
+                              mp_policy=self.precision.fsdp_mixed_precision(), device=self.device,
+                              is_global_zero=self.is_global_zero)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # fully_shard changes the class in place, not the module tree
 
     def backward_sync(self, model: nn.Module, last_microbatch: bool) -> ContextManager[None]:
-        return self.options.backward_sync(model, last_microbatch)
-
-    def resolve_grad_sync(self, per_step_fits: Callable[[], bool]) -> Optional[tuple[str, bool]]:
-        return self.options.resolve_grad_sync(per_step_fits, self.all_ranks_agree)
+        return self.fsdp.backward_sync(model, last_microbatch)
 
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
@@ -240,7 +262,7 @@ def shard_experts(model: nn.Module, edp_mesh: DeviceMesh | None, *, mp_policy: M
 
 def wrap_fsdp(model: nn.Module, mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy,
               offload_policy: OffloadPolicy, reshard_after_forward: bool, prefetch_blocks: int,
-              reshard_last_block: bool = False) -> nn.Module:
+              reshard_last_block: bool) -> nn.Module:
     """FSDP2 over `mesh` (1-D: shard; 2-D: replicate x shard): one unit per transformer block, then the
     root (embedding, final norm, head). Parameters that are already tensor-parallel DTensors become 2-D."""
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
@@ -270,8 +292,9 @@ def _set_prefetch(blocks: list[nn.Module], prefetch_blocks: int) -> None:
 
 
 @dataclass
-class FSDPConfig:
-    """Schema of `strategy=fsdp` (and, with other defaults, of zero3)."""
+class FSDPConfig(FSDPOptions):
+    """Schema of `strategy=fsdp` (and, named zero3, of `strategy=zero3`): the `FSDPOptions` fields, flat
+    (`strategy.grad_sync=step`), and the strategy's own."""
 
     _target_: str = "trainer.plugins.strategies.FSDP"
     name: str = "fsdp"
@@ -279,30 +302,6 @@ class FSDPConfig:
     # and gathered once per micro-batch; textbook ZeRO-2 is strategy=zero2) or hybrid_shard (shard in
     # groups, replicate across).
     sharding: str = "full_shard"
-    # hybrid_shard: number of replicas (null: nodes on a cluster should set it; locally the smallest factor).
-    dp_replicate: Optional[int] = None
-    # Blocks whose parameters are gathered ahead of use (0: FSDP's own backward prefetch only).
-    prefetch_blocks: int = 1
-    # Free gathered parameters after each block's forward (null: true for full/hybrid, false for
-    # shard_grad_op).
-    reshard_after_forward: Optional[bool] = None
-    # Keep the sharded parameters (and with them gradients and the optimizer step) in CPU memory.
-    offload_params: bool = False
-    # Only the optimizer: this rank's optimizer states (and fp32 masters) in host memory, stepped there;
-    # parameters and the forward/backward stay on the device (ZeRO-Offload). offload_params implies it.
-    offload_optimizer: bool = False
-    # Gradient accumulation: reduce-scatter after every micro-batch ("microbatch": only a gradient shard
-    # is ever held), once per optimizer step ("step": a whole gradient accumulates on every rank), or
-    # "auto": step when the planner finds that the whole gradient and parameters fit this device's memory
-    # (less plan.headroom), else microbatch; the run logs its choice and writes it into config.yaml.
-    grad_sync: str = "auto"
-    # Gradient accumulation: free the gathered parameters after each micro-batch's backward (true) or keep
-    # them for the next micro-batch's forward (false: fewer all-gathers, whole parameters held meanwhile).
-    # null: false with grad_sync=step, true with microbatch; chosen with grad_sync=auto (leave it null).
-    reshard_after_backward: Optional[bool] = None
-    # With reshard_after_forward: free the last block's parameters after its forward too (false: kept for
-    # the backward, which starts with that block).
-    reshard_last_block: bool = False
     # Weight initialization: full (whole model on every rank, then sharded: bitwise the single-process
     # weights), sharded (each rank initializes its shards: for models too big for host memory) or auto.
     init: str = "auto"

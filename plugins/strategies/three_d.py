@@ -13,8 +13,8 @@ rebuilds buckets), and `replicate` also takes tensor-parallel DTensor parameters
 
 `ThreeD` is composed of the pieces the single-dimension strategies use, not derived from them: the
 `Pipeline` component (as `strategy=pp`), the tensor-parallel functions (as `strategy=tp`), and for the
-data-parallel dimension `wrap_replicate` / `wrap_fsdp` with `FSDPOptions` (as `strategy=fsdp`) and a
-`ShardedOptimizerStates` for zero1 (as `strategy=zero1`).
+data-parallel dimension `wrap_replicate`, or an `FSDPSharding` of the same `FSDPOptions` as `strategy=fsdp`
+(`ThreeDConfig` inherits their fields), and a `ShardedOptimizerStates` for zero1 (as `strategy=zero1`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from trainer.interfaces.strategy import MicroBatch
 from trainer.models.moe import moe_layers
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
 from trainer.plugins.strategies.distributed import DistributedStrategy
-from trainer.plugins.strategies.fsdp import FSDPOptions, accumulation_flags, shard_experts, wrap_fsdp
+from trainer.plugins.strategies.fsdp import FSDPOptions, FSDPSharding, accumulation_flags
 from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
 from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
 from trainer.plugins.strategies.tensor_parallel import (
@@ -77,6 +77,10 @@ class ThreeD(DistributedStrategy):
     `DistributedStrategy.setup_model`) -> 5. data-parallel wrapping (`wrap_data_parallel`). Any of the
     three dimensions may be 1; then its piece is skipped. With data_parallel=zero1 the optimizer states
     are sharded by a `ShardedOptimizerStates`.
+
+    The sharded flavours take FSDP2's options as `strategy=fsdp` does: every keyword not named here is a
+    field of `FSDPOptions` (flat in the config node, as Hydra hands it over), made into one `FSDPOptions`
+    and kept whole in `self.fsdp`, with the sharding mode of the flavour.
     """
 
     name = "3d"
@@ -85,13 +89,12 @@ class ThreeD(DistributedStrategy):
     uses_pp = True
     supports_ep = True
 
-    def __init__(self, data_parallel: str = "fsdp", *, dp_replicate: Optional[int] = None, prefetch_blocks: int = 1,
-                 offload_params: bool = False, offload_optimizer: bool = False, schedule: str = "1f1b",
-                 virtual_stages: int = 1, layers_per_stage: Optional[Sequence[int]] = None,
-                 embedding_weight: float = 1.0, head_weight: float = 1.0, sequence_parallel: bool = True,
-                 loss_parallel: bool = True, grad_sync: str = "auto", reshard_after_backward: Optional[bool] = None,
-                 init: str = "auto", name: Optional[str] = None) -> None:
+    def __init__(self, data_parallel: str = "fsdp", *, schedule: str = "1f1b", virtual_stages: int = 1,
+                 layers_per_stage: Optional[Sequence[int]] = None, embedding_weight: float = 1.0,
+                 head_weight: float = 1.0, sequence_parallel: bool = True, loss_parallel: bool = True,
+                 init: str = "auto", name: Optional[str] = None, **options: Any) -> None:
         super().__init__(init=init, name=name)
+        fsdp_options = FSDPOptions(**options)
         self.pipeline_options = PipelineOptions(schedule=schedule, virtual_stages=virtual_stages,
                                                 layers_per_stage=layers_per_stage,
                                                 embedding_weight=embedding_weight, head_weight=head_weight)
@@ -103,19 +106,16 @@ class ThreeD(DistributedStrategy):
                              "states sharded, parameters gathered per micro-batch), or use zero1 or zero3")
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)}, got {data_parallel!r}")
-        if data_parallel in REPLICATING and offload_params:
+        if data_parallel in REPLICATING and fsdp_options.offload_params:
             raise ValueError(f"data_parallel={data_parallel} cannot offload parameters (every data-parallel rank "
                              "keeps its whole stage); that needs data_parallel=zero3, fsdp or hybrid_shard")
-        if data_parallel == "ddp" and offload_optimizer:
+        if data_parallel == "ddp" and fsdp_options.offload_optimizer:
             raise ValueError("data_parallel=ddp cannot offload the optimizer (every rank holds all of its states); "
                              "data_parallel=zero1 and the sharded flavours offload their partition")
         self.data_parallel = data_parallel
-        self.offload_optimizer = offload_optimizer
-        # The FSDP options and checks, as strategy=fsdp has them (used by the sharded flavours).
-        self.fsdp_options = FSDPOptions(sharding=SHARDING.get(data_parallel, "full_shard"), dp_replicate=dp_replicate,
-                                        prefetch_blocks=prefetch_blocks, offload_params=offload_params,
-                                        offload_optimizer=offload_optimizer, grad_sync=grad_sync,
-                                        reshard_after_backward=reshard_after_backward)
+        # FSDP2 as strategy=fsdp applies it, with the flavour's mode (used by the sharded flavours; the
+        # replicating ones read offload_optimizer from its options and are checked by it all the same).
+        self.fsdp = FSDPSharding(SHARDING.get(data_parallel, "full_shard"), fsdp_options)
         # This rank's stages and schedule, made by `split_pipeline` (None before, or with pp=1).
         self.pipeline: Pipeline | None = None
         self.sharded_states: ShardedOptimizerStates | None = None
@@ -138,13 +138,13 @@ class ThreeD(DistributedStrategy):
         return self.pipeline_options.schedule
 
     def data_parallel_split(self, dp: int) -> tuple[int, int]:
-        return (dp, 1) if self.replicating else self.fsdp_options.data_parallel_split(dp)
+        return (dp, 1) if self.replicating else self.fsdp.data_parallel_split(dp)
 
     @property
     def optimizer_host(self) -> torch.device | None:
         if self.replicating:  # zero1: its partition of the optimizer states (ddp refused it above)
-            return torch.device("cpu") if self.offload_optimizer else None
-        return self.fsdp_options.optimizer_host
+            return torch.device("cpu") if self.fsdp.options.offload_optimizer else None
+        return self.fsdp.optimizer_host
 
     def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
         layout = {**super().planner_layout(dp, tp, pp, cp),  # dp_replicate x dp_shard from data_parallel_split
@@ -153,7 +153,7 @@ class ThreeD(DistributedStrategy):
         if self.replicating:
             return {**layout, "dp_flavour": self.data_parallel if dp * cp > 1 else "none",
                     "offload_optimizer": self.optimizer_host is not None}
-        return {**layout, **self.fsdp_options.planner_fields()}
+        return {**layout, **self.fsdp.planner_fields()}
 
     def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
         if pp < 2:
@@ -199,13 +199,9 @@ class ThreeD(DistributedStrategy):
             # inside pipeline schedules and with tensor-parallel DTensor parameters.
             return wrap_replicate(model, self.dims.dp_cp_mesh(), self.precision.fsdp_mixed_precision(),
                                   self.dims.edp_mesh())
-        shard_experts(model, self.dims.edp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
-                      offload_policy=self.fsdp_options.offload_policy(self.device, self.is_global_zero),
-                      reshard_after_forward=bool(self.fsdp_options.reshard_after_forward))
-        return wrap_fsdp(model, self.dims.fsdp_mesh(), mp_policy=self.precision.fsdp_mixed_precision(),
-                         offload_policy=self.fsdp_options.offload_policy(self.device, self.is_global_zero),
-                         reshard_after_forward=self.fsdp_options.reshard_after_forward,  # type: ignore[arg-type]
-                         prefetch_blocks=self.fsdp_options.prefetch_blocks)
+        return self.fsdp.wrap(model, self.dims.fsdp_mesh(), self.dims.edp_mesh(),
+                              mp_policy=self.precision.fsdp_mixed_precision(), device=self.device,
+                              is_global_zero=self.is_global_zero)
 
     def materialize(self, model: nn.Module) -> None:
         """The whole model (init=full), or one wrapped stage part: its stage's seed around the TP-aware init."""
@@ -252,12 +248,7 @@ class ThreeD(DistributedStrategy):
             return contextlib.nullcontext()
         if self.replicating:
             return accumulation_flags(model, last_microbatch, sync=False, reshard=True)
-        return self.fsdp_options.backward_sync(model, last_microbatch)
-
-    def resolve_grad_sync(self, per_step_fits: Callable[[], bool]) -> Optional[tuple[str, bool]]:
-        if self.replicating:  # they reduce once per step anyway (`backward_sync`)
-            return None
-        return self.fsdp_options.resolve_grad_sync(per_step_fits, self.all_ranks_agree)
+        return self.fsdp.backward_sync(model, last_microbatch)
 
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
@@ -297,26 +288,18 @@ class ThreeD(DistributedStrategy):
 
 
 @dataclass
-class ThreeDConfig:
-    """Schema of `strategy=3d` (pipeline x data x tensor parallel; sizes from the top-level pp, dp, tp)."""
+class ThreeDConfig(FSDPOptions):
+    """Schema of `strategy=3d` (pipeline x data x tensor parallel; sizes from the top-level pp, dp, tp): the
+    `FSDPOptions` fields, flat as in strategy=fsdp (`strategy.prefetch_blocks=2`), for the sharded flavours
+    (offload_optimizer also for zero1; without a pipeline grad_sync and reshard_after_backward decide the
+    accumulation, under one the schedule reduces once per step and keeps the parameters gathered), and 3d's
+    own."""
 
     _target_: str = "trainer.plugins.strategies.ThreeD"
     name: str = "3d"
-    # Data-parallel flavour: ddp, zero1, shard_grad_op, zero3, fsdp or hybrid_shard.
+    # Data-parallel flavour: ddp, zero1, shard_grad_op, zero3, fsdp or hybrid_shard (its FSDP sharding mode:
+    # shard_grad_op, full_shard for zero3 and fsdp, hybrid_shard).
     data_parallel: str = "fsdp"
-    # hybrid_shard: number of replicas (null: the smallest factor of dp).
-    dp_replicate: Optional[int] = None
-    # FSDP flavours: blocks gathered ahead of use.
-    prefetch_blocks: int = 1
-    # Sharded flavours: sharded parameters and the optimizer step in host memory (FSDP2's CPUOffloadPolicy).
-    offload_params: bool = False
-    # zero1 and the sharded flavours: only the optimizer's partition (and fp32 masters) in host memory.
-    offload_optimizer: bool = False
-    # FSDP flavours without a pipeline, under gradient accumulation: reduce-scatter per micro-batch, once
-    # per step, or auto (step when it fits), and free or keep the gathered parameters between micro-batches
-    # (see strategy=fsdp). Under a pipeline the schedule reduces once per step and keeps them gathered.
-    grad_sync: str = "auto"
-    reshard_after_backward: Optional[bool] = None
     # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble), stages per rank, layer split.
     schedule: str = "1f1b"
     virtual_stages: int = 1

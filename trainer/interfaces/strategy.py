@@ -29,6 +29,8 @@ from trainer.parallel_dims import ParallelDims
 
 # (inputs, targets), or (inputs, targets, doc_ids) under document masking (`Strategy.local_batches`).
 MicroBatch = tuple[torch.Tensor, ...]
+# Timeout of the process group's collectives (gloo/NCCL) unless the run asks for more (the hang watchdog's).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 def resolve_device(accelerator: str, local_rank: int = 0) -> torch.device:
@@ -86,7 +88,7 @@ class Strategy:
         # The process topology once `setup_environment` built it (None: one process, no mesh).
         self.parallel_dims: ParallelDims | None = None
         # Timeout of the process group's collectives (gloo/NCCL); the run sets it above the hang watchdog's.
-        self.collective_timeout_s: float = 600.0
+        self.collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
         # The number format of every step; `connect_precision` replaces the fp32 identity.
         self.precision: Precision = Precision()
         # The end-of-document id under document masking (`data.document_masking=true`), else None.
@@ -136,19 +138,17 @@ class Strategy:
         return {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": cp if self.uses_cp else 1,
                 "dp_flavour": "none"}
 
-    def resolve_grad_sync(self, per_step_fits: Callable[[], bool]) -> tuple[str, bool] | None:
-        """Settle `grad_sync=auto` (the FSDP2-sharded strategies): reduce gradients once per optimizer step
-        when `per_step_fits()` (the planner's answer for this device) holds on every rank, else per
-        micro-batch. Returns the (grad_sync, reshard_after_backward) chosen, None when there was no choice."""
-        del per_step_fits
-        return None
-
     # ---- topology -----------------------------------------------------------------------------------
     def setup_environment(self, accelerator: str, num_threads: int | None, dp: int | str = 1, tp: int = 1,
-                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1) -> None:
+                          pp: int = 1, cp: int = 1, cp_method: str = "ring", ep: int = 1, *,
+                          adopt_process_group: bool = False) -> None:
         """Pick the device and the intra-op thread count; distributed subclasses also join the process
-        group and build the mesh from the parallel sizes (ignored here: everything is 1)."""
-        del dp, tp, pp, cp, cp_method, ep
+        group and build the mesh from the parallel sizes (ignored here: everything is 1).
+
+        `adopt_process_group`: the caller made the default process group for this strategy (trainer.run
+        joins it before building the strategy, so that the ranks agree on what the strategy is built with):
+        the strategy owns it from now on and `teardown` destroys it, as one it had made itself."""
+        del dp, tp, pp, cp, cp_method, ep, adopt_process_group
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(accelerator, self.local_rank)

@@ -10,12 +10,17 @@ models ZeRO-3 exists for (Llama-2-70B's fp32 gradient alone is 280 GB). `auto` a
 per-step layout fits the device (its total capacity less the planner's headroom: the same answer on every
 rank of a homogeneous job, whatever else runs there now) and takes it when it does. A pipeline schedule
 reduces once per step and keeps the parameters gathered whatever is asked, so `auto` reads `step` there.
+
+A run settles it before it builds the strategy (`trainer.run.settle_grad_sync`: `choose_grad_sync` with the
+run's precision and checkpointing plugins and this machine's memory, agreed by every rank, written into
+the config the strategy is then built from); `mode=plan` resolves it for the hardware profile
+(`resolve_grad_sync` in `trainer.planner.core.plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -25,6 +30,10 @@ from trainer.planner.hardware import HardwareConfig, meminfo_bytes
 from trainer.planner.layout import Layout, layout_from_config, model_config
 from trainer.planner.memory import GB
 from trainer.planner.params import ModelInventory, inventory
+
+if TYPE_CHECKING:
+    from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+    from trainer.interfaces.precision import Precision
 
 __all__ = ["AccumulationChoice", "choose_grad_sync", "resolve_grad_sync", "this_machine"]
 
@@ -36,6 +45,12 @@ class AccumulationChoice:
     grad_sync: str
     reshard_after_backward: bool
     reason: str
+    # Set when the ranks' agreement overrode this rank's own answer (its memory would have allowed "step").
+    note: str = ""
+
+    def describe(self) -> str:
+        """The run's log line after the strategy's label: `grad_sync=auto -> step: <reason>`."""
+        return f"grad_sync=auto -> {self.grad_sync}{self.note}: {self.reason}"
 
 
 def resolve_grad_sync(inv: ModelInventory, layout: Layout, hardware: HardwareConfig,
@@ -78,8 +93,15 @@ def this_machine(base: HardwareConfig, device: torch.device, local_ranks: int,
                                reserved_gb=0.0, devices_per_node=max(local_ranks, 1), host_memory_gb=host / GB)
 
 
-def choose_grad_sync(cfg: DictConfig, hardware: HardwareConfig) -> AccumulationChoice:
-    """What a run of `cfg` (whose strategy asks `grad_sync=auto`) does on `hardware`."""
-    layout, reason = resolve_grad_sync(inventory(model_config(cfg)), layout_from_config(cfg), hardware,
-                                       PlanOptions.of(cfg))
-    return AccumulationChoice(layout.grad_sync, layout.reshard_after_backward, reason)
+def choose_grad_sync(cfg: DictConfig, hardware: HardwareConfig, precision: Optional[Precision] = None,
+                     activation_checkpointing: Optional[ActivationCheckpointing] = None) -> Optional[AccumulationChoice]:
+    """What a run of `cfg` does with `grad_sync=auto` on `hardware`; None when there is nothing to choose (the
+    config sets grad_sync, or its strategy has no such choice: 3d's replicating flavours reduce once per step
+    anyway). `precision` / `activation_checkpointing`: the run's plugins, handed over (built from `cfg` when
+    left out, as `mode=plan` does). A function of the config and `hardware` only, so every rank of a
+    homogeneous job finds the same answer."""
+    layout = layout_from_config(cfg, precision=precision, activation_checkpointing=activation_checkpointing)
+    if layout.grad_sync != "auto":
+        return None
+    resolved, reason = resolve_grad_sync(inventory(model_config(cfg)), layout, hardware, PlanOptions.of(cfg))
+    return AccumulationChoice(resolved.grad_sync, resolved.reshard_after_backward, reason)

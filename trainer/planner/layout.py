@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.optim import optimizer_state_tensors
+if TYPE_CHECKING:
+    from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
+    from trainer.interfaces.precision import Precision
 
 # Data-parallel flavours and what each shards at rest (params, grads, optimizer states).
 DP_FLAVOURS = ("none", "ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hybrid_shard")
@@ -134,9 +137,12 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
 
-def layout_from_config(cfg: DictConfig) -> Layout:
+def layout_from_config(cfg: DictConfig, *, precision: Optional[Precision] = None,
+                       activation_checkpointing: Optional[ActivationCheckpointing] = None) -> Layout:
     """The layout of a composed (and validated) config: the strategy states its own part of it
-    (`Strategy.planner_layout`), so a new strategy is planned as what it is, not by its class."""
+    (`Strategy.planner_layout`, asked of a strategy built from `cfg.strategy` with no environment), so a new
+    strategy is planned as what it is, not by its class. `precision` and `activation_checkpointing`: the
+    plugins a run has built from `cfg` already (trainer.run settles grad_sync with them), else built here."""
     from trainer.config import data_parallel_size, world_size
 
     strategy = instantiate(cfg.strategy)
@@ -145,7 +151,8 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     cp = int(cfg.cp) if strategy.uses_cp else 1
     topology = strategy.planner_layout(data_parallel_size(cfg), tp, pp, cp)
 
-    precision = instantiate(cfg.precision)
+    if precision is None:
+        precision = instantiate(cfg.precision)
     param_dtype = precision.param_dtype
     compute_dtype = precision.compute_dtype
     mp = precision.fsdp_mixed_precision()
@@ -154,7 +161,8 @@ def layout_from_config(cfg: DictConfig) -> Layout:
     # bf16_true's fp32 master copies: the optimizer steps them, so its moments are fp32 too
     master = precision.master_weights and DTYPE_BYTES[param_dtype] < 4
 
-    checkpointing = instantiate(cfg.activation_checkpointing)
+    checkpointing = activation_checkpointing if activation_checkpointing is not None else \
+        instantiate(cfg.activation_checkpointing)
     states = optimizer_state_tensors(cfg.optimizer)
     t = cfg.trainer
     return Layout(
