@@ -1,6 +1,11 @@
-"""The Hugging Face Llama format: export to (and import from) `config.json` + `model.safetensors`.
+"""Hugging Face models: export to (and import from) `config.json` + `model.safetensors`.
 
-Weight names map one to one onto `transformers`' `LlamaForCausalLM`. No reordering of the query/key
+Each model family that has a transformers counterpart registers an adapter (`HFAdapter`: config.json both
+ways, weight names, stacked weights split into per-expert tensors) in `ADAPTERS`, keyed by its config
+class; export and import below are family-agnostic and go through it. Llama / Mixtral (`LlamaHFAdapter`,
+this module) and Qwen3 / Qwen3-MoE (`trainer/models/qwen3/hf_adapter.py`) are registered.
+
+Llama weight names map one to one onto `transformers`' `LlamaForCausalLM`. No reordering of the query/key
 projections is needed: this model's RoPE rotates channel pairs (i, i + head_dim/2), Hugging Face's
 `rotate_half` layout (Meta's original checkpoints pair neighbouring channels, which is what the usual
 conversion scripts permute away).
@@ -25,12 +30,13 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 from trainer.checkpoint.manifest import CheckpointError, read_manifest, verify_files
 from trainer.models.llama import LlamaConfig
+from trainer.models.qwen3.hf_adapter import Qwen3HFAdapter
 
 if TYPE_CHECKING:
     from trainer.loop import Trainer
@@ -187,9 +193,100 @@ def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
     )
 
 
-def read_hf_config(directory: Path | str) -> LlamaConfig:
+# ---- the adapter registry ------------------------------------------------------------------------------
+class HFAdapter(Protocol):
+    """What export and import need from a model family with a transformers counterpart. (The model-family
+    contract will make this one of the family's hooks; until then `ADAPTERS` lists them.)"""
+
+    config_class: type  # our config dataclass
+    model_types: tuple[str, ...]  # the config.json `model_type`s it reads
+
+    def check(self, config: Any) -> None:
+        """Raise ValueError when transformers has no counterpart of this config."""
+
+    def hf_config(self, config: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """`config.json` for our config."""
+
+    def config_from_hf(self, hf: dict[str, Any], name: str = "hf") -> Any:
+        """Our config for a `config.json` (ValueError for what the model does not implement)."""
+
+    def ignored_mismatch_fields(self, config: Any) -> tuple[str, ...]:
+        """Config fields an init_from run need not agree on (they change no tensor of this config)."""
+
+    def skipped(self, name: str) -> bool:
+        """Our state-dict entries that transformers has no tensor for."""
+
+    def hf_name(self, name: str) -> str:
+        """transformers' name of one of our weights (KeyError: none)."""
+
+    def stacked_hf_names(self, name: str, count: int) -> Optional[list[str]]:
+        """For a weight stacked on dim 0 (`count` experts), transformers' name of each slice; else None."""
+
+
+class LlamaHFAdapter:
+    """Llama (LlamaForCausalLM) and Mixtral (MixtralForCausalLM, an MoE Llama): the functions above."""
+
+    config_class = LlamaConfig
+    model_types = ("llama", "mixtral")
+
+    def check(self, config: LlamaConfig) -> None:
+        check_mixtral(config)
+
+    def hf_config(self, config: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        return hf_config(config, dtype)
+
+    def config_from_hf(self, hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
+        return llama_config_from_hf(hf, name)
+
+    def ignored_mismatch_fields(self, config: LlamaConfig) -> tuple[str, ...]:
+        # the dense SwiGLU width is unused by an MoE (Mixtral's intermediate_size is the experts')
+        return ("ffn_hidden_dim", "multiple_of", "ffn_dim_multiplier") if config.is_moe else ()
+
+    def skipped(self, name: str) -> bool:
+        return name.endswith("expert_bias")  # the auxiliary-loss-free selection bias (check_mixtral refuses a used one)
+
+    def hf_name(self, name: str) -> str:
+        return to_hf_name(name)
+
+    def stacked_hf_names(self, name: str, count: int) -> Optional[list[str]]:
+        expert = expert_weight(name)
+        return None if expert is None else [hf_expert_name(expert[0], j, expert[1]) for j in range(count)]
+
+
+# Keyed by our config class; `adapter_for` also finds one by its class name (a checkpoint's manifest) or
+# by the `model_type` of a config.json.
+ADAPTERS: dict[type, HFAdapter] = {LlamaConfig: LlamaHFAdapter(), Qwen3HFAdapter.config_class: Qwen3HFAdapter()}
+
+
+def adapter_for(config: Any = None, *, class_name: Optional[str] = None, model_type: Optional[str] = None) -> HFAdapter:
+    """The adapter of a config instance, of a config class name, or of a config.json `model_type`
+    (CheckpointError when no family has one)."""
+    for config_class, adapter in ADAPTERS.items():
+        if ((config is not None and type(config) is config_class) or class_name == config_class.__name__
+                or (model_type is not None and model_type in adapter.model_types)):
+            return adapter
+    if model_type is not None:
+        what = f"model_type={model_type!r}"
+    else:
+        what = type(config).__name__ if config is not None else str(class_name)
+    families = ", ".join(sorted(t for adapter in ADAPTERS.values() for t in adapter.model_types))
+    raise CheckpointError(f"{what} has no Hugging Face counterpart here (the Hugging Face families: {families})")
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "hf") -> Any:
+    """Our config for a Hugging Face `config.json` of any registered family (a config without
+    `model_type` is read as a Llama)."""
+    adapter = adapter_for(model_type=hf.get("model_type") or "llama")
+    try:
+        return adapter.config_from_hf(hf, name)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def read_hf_config(directory: Path | str) -> Any:
+    """Our config for the Hugging Face model in `directory` (its config.json)."""
     directory = Path(directory)
-    return llama_config_from_hf(json.loads((directory / CONFIG_FILE).read_text()), name=directory.name)
+    return config_from_hf(json.loads((directory / CONFIG_FILE).read_text()), name=directory.name)
 
 
 def is_hf_model(path: Path) -> bool:
@@ -197,33 +294,36 @@ def is_hf_model(path: Path) -> bool:
 
 
 # ---- export -------------------------------------------------------------------------------------------
-def export_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir: Path | str,
+def export_state_dict(state: dict[str, torch.Tensor], config: Any, out_dir: Path | str,
                       dtype: Optional[torch.dtype] = None) -> Path:
-    """Write full (unsharded) weights with our names as a Hugging Face Llama model in `out_dir`."""
+    """Write full (unsharded) weights with our names as the Hugging Face model of `config`'s family in
+    `out_dir`."""
     from safetensors.torch import save_file
 
-    if not isinstance(config, LlamaConfig):
-        raise CheckpointError(f"only Llama models export to the Hugging Face Llama format, not {type(config).__name__}")
+    adapter = adapter_for(config)
+    try:
+        adapter.check(config)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    check_mixtral(config)
     tensors = {}
     for name, tensor in state.items():
         if name == "output.weight" and config.tie_embeddings:
             continue  # HF ties lm_head to embed_tokens itself
-        if name.endswith("expert_bias"):
-            continue  # a buffer of the auxiliary-loss-free balancing (check_mixtral refused a used one)
+        if adapter.skipped(name):
+            continue
         tensor = tensor.detach().to("cpu")
         tensor = tensor if dtype is None else tensor.to(dtype)
-        expert = expert_weight(name)
-        if expert is not None:  # one tensor per expert, as Mixtral checkpoints hold them
-            for index in range(tensor.shape[0]):
-                tensors[hf_expert_name(expert[0], index, expert[1])] = tensor[index].contiguous()
+        stacked = adapter.stacked_hf_names(name, tensor.shape[0]) if tensor.ndim else None
+        if stacked is not None:  # one tensor per expert, as the Hub's MoE checkpoints hold them
+            for index, hf_name in enumerate(stacked):
+                tensors[hf_name] = tensor[index].contiguous()
             continue
-        tensors[to_hf_name(name)] = tensor.contiguous()
+        tensors[adapter.hf_name(name)] = tensor.contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     saved_dtype = dtype or next(iter(tensors.values())).dtype
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(config, saved_dtype), indent=2) + "\n")
+    (out_dir / CONFIG_FILE).write_text(json.dumps(adapter.hf_config(config, saved_dtype), indent=2) + "\n")
     return out_dir
 
 
@@ -232,12 +332,11 @@ def export_trainer(trainer: "Trainer", out_dir: Path | str, dtype: Optional[torc
     from trainer.checkpoint.state import model_config_dict
 
     state = trainer.strategy.full_state_dict(trainer.model_parts)
-    saved = model_config_dict(trainer) or {}
-    config = LlamaConfig(**{k: v for k, v in saved.items() if k != "class"}) if saved.get("class") == "LlamaConfig" else None
+    saved = dict(model_config_dict(trainer) or {})
+    class_name = saved.pop("class", None)
     path = None
     if trainer.is_global_zero:
-        if config is None:
-            raise CheckpointError(f"only Llama models export to the Hugging Face format (this is {saved.get('class')})")
+        config = adapter_for(class_name=class_name).config_class(**saved)
         path = export_state_dict(state, config, out_dir, dtype)
     trainer.strategy.barrier()
     return path
@@ -257,9 +356,10 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: Option
     # shard could otherwise be exported as wrong weights without an error.
     verify_files(checkpoint, sorted(manifest["files"]), manifest)
     saved = dict(manifest.get("model") or {})
-    if saved.pop("class", None) != "LlamaConfig":
-        raise CheckpointError(f"{checkpoint} does not hold a Llama model")
-    config = LlamaConfig(**saved)
+    class_name = saved.pop("class", None)
+    if class_name is None:
+        raise CheckpointError(f"{checkpoint} records no model architecture")
+    config = adapter_for(class_name=class_name).config_class(**saved)
     with torch.device("cpu"):
         model = build_model(config)
     state = {f"model.{key}": value for key, value in model.state_dict().items()}
@@ -270,7 +370,7 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: Option
 
 # ---- import -------------------------------------------------------------------------------------------
 def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
-    """Load a Hugging Face Llama model's weights into the trainer's model parts (collective).
+    """Load a Hugging Face model's weights into the trainer's model parts (collective).
 
     Each rank reads only the slices its layout holds (DCP's HuggingFaceStorageReader), so this works
     under every strategy. The model's architecture must match `config.json`.
@@ -284,46 +384,47 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
 
     directory = Path(directory)
     theirs = read_hf_config(directory)
-    saved, current = {"class": "LlamaConfig", **dataclasses.asdict(theirs)}, dict(model_config_dict(trainer) or {})
-    if theirs.is_moe:  # the dense SwiGLU width is unused by an MoE (Mixtral's intermediate_size is the experts')
-        for key in ("ffn_hidden_dim", "multiple_of", "ffn_dim_multiplier"):
-            saved.pop(key, None)
-            current.pop(key, None)
+    adapter = adapter_for(theirs)
+    saved, current = {"class": type(theirs).__name__, **dataclasses.asdict(theirs)}, dict(model_config_dict(trainer) or {})
+    for key in adapter.ignored_mismatch_fields(theirs):
+        saved.pop(key, None)
+        current.pop(key, None)
     problems = architecture_mismatch(saved, current)
     if problems:
         raise CheckpointError(f"{directory} holds another architecture than this run's model: " + "; ".join(problems))
     ours = model_state(trainer.model_parts)
-    experts = {key: value for key, value in ours.items() if expert_weight(key) is not None}
+    stacked = {key: names for key, value in ours.items()
+               if value.ndim and (names := adapter.stacked_hf_names(key, value.shape[0])) is not None}
     # A tied head has no lm_head entry: it reads embed_tokens (a pipeline's last stage holds its own copy).
-    names = {key: to_hf_name("tok_embeddings.weight" if key == "output.weight" and theirs.tie_embeddings else key)
-             for key in ours if key not in experts and not key.endswith("expert_bias")}
+    names = {key: adapter.hf_name("tok_embeddings.weight" if key == "output.weight" and theirs.tie_embeddings else key)
+             for key in ours if key not in stacked and not adapter.skipped(key)}
     template = {hf_name: ours[key] for key, hf_name in names.items()}
     with dcp_call() as no_dist:
         dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
                  no_dist=no_dist)
     loaded = {key: template[hf_name] for key, hf_name in names.items()}
-    loaded.update({key: _read_stacked_experts(directory, key, value) for key, value in experts.items()})
-    loaded.update({key: value for key, value in ours.items() if key.endswith("expert_bias")})
+    loaded.update({key: _read_stacked(directory, key, stacked[key], ours[key]) for key in stacked})
+    loaded.update({key: value for key, value in ours.items() if adapter.skipped(key)})
     load_model_state(trainer.model_parts, loaded)
 
 
-def _read_stacked_experts(directory: Path, key: str, like: torch.Tensor) -> torch.Tensor:
-    """Our stacked expert weight `key` from Mixtral's per-expert tensors, in `like`'s layout (a DTensor
-    keeps its mesh and placements: each rank keeps its part of the full tensor)."""
+def _read_stacked(directory: Path, key: str, hf_names: list[str], like: torch.Tensor) -> torch.Tensor:
+    """Our stacked weight `key` from its per-expert tensors `hf_names`, in `like`'s layout (a DTensor keeps
+    its mesh and placements: each rank keeps its part of the full tensor)."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    layer, weight = expert_weight(key)  # type: ignore[misc]
-    wanted = {hf_expert_name(layer, e, weight): e for e in range(like.shape[0])}
+    wanted = {name: index for index, name in enumerate(hf_names)}
     pieces: dict[int, torch.Tensor] = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name in wanted:
                     pieces[wanted[name]] = f.get_tensor(name)
-    if len(pieces) != like.shape[0]:
-        raise CheckpointError(f"{directory} lacks experts of layer {layer} ({weight}): found {sorted(pieces)}")
-    full = torch.stack([pieces[e] for e in range(like.shape[0])]).to(like.dtype)
+    if len(pieces) != len(hf_names):
+        missing = [name for name, index in wanted.items() if index not in pieces]
+        raise CheckpointError(f"{directory} lacks {len(missing)} expert tensors of {key}, e.g. {missing[0]}")
+    full = torch.stack([pieces[e] for e in range(len(hf_names))]).to(like.dtype)
     if isinstance(like, DTensor):
         return distribute_tensor(full.to(like.device_mesh.device_type), like.device_mesh, like.placements,
                                  src_data_rank=None)
@@ -332,7 +433,7 @@ def _read_stacked_experts(directory: Path, key: str, like: torch.Tensor) -> torc
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint.hf",
-                                     description="Convert a checkpoint into a Hugging Face Llama model.")
+                                     description="Convert a checkpoint into a Hugging Face model (Llama, Mixtral, Qwen3, Qwen3-MoE).")
     sub = parser.add_subparsers(dest="command", required=True)
     export = sub.add_parser("export", help="checkpoint directory -> config.json + model.safetensors")
     export.add_argument("checkpoint", type=Path)

@@ -88,7 +88,9 @@ def model_config_dict(trainer: "Trainer") -> dict[str, Any] | None:
 # (Llama's max_seq_len only sizes the RoPE table, which is not saved; GPT's sizes its position embedding).
 ARCHITECTURE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
                        "multiple_of", "ffn_dim_multiplier", "tie_embeddings", "bias", "n_experts",
-                       "moe_hidden_dim", "n_shared_experts")
+                       "moe_hidden_dim", "n_shared_experts",
+                       # Qwen3: a head width of its own, q/k/v/o biases, which layers are MoE
+                       "head_dim", "attention_bias", "decoder_sparse_step", "mlp_only_layers")
 POSITION_TABLE_FAMILIES = ("GPTConfig",)
 
 

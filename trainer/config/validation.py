@@ -212,6 +212,7 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
         model_cfg = OmegaConf.to_object(cfg.model)  # the model configs check their shapes on creation
     except ValueError as error:
         raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
+    _validate_model_family(cfg, model_cfg)
     # tensor parallelism: can the model split over tp? (a no-op for strategies without it)
     _validate_context_parallel(cfg, model_cfg)
     _validate_expert_parallel(cfg, model_cfg, strategy)
@@ -225,6 +226,24 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
     if max_seq_len is not None:
         _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",
                  f"{cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} of model {cfg.model.name}")
+
+
+def _validate_model_family(cfg: DictConfig, model_cfg: Any) -> None:
+    """What a model family cannot do yet. (The model-family contract will ask the family itself; until
+    then Qwen3 is the family with limits: no tp/pp/cp, and the planner models every layer alike.)"""
+    from trainer.models.qwen3 import Qwen3Config
+
+    if not isinstance(model_cfg, Qwen3Config):
+        return
+    sizes = {"tp": int(cfg.tp), "pp": int(cfg.pp), "cp": int(cfg.cp)}
+    problem = model_cfg.unsupported_parallelism(**sizes)
+    _require(problem is None, next((k for k, v in sizes.items() if v > 1), "strategy"), str(problem))
+    sparse = model_cfg.sparse_layers
+    planned = cfg.mode == "plan" or (cfg.mode == "train" and bool(cfg.trainer.preflight))
+    _require(not (planned and sparse and len(sparse) != model_cfg.n_layers), "model.mlp_only_layers",
+             f"model {cfg.model.name} mixes dense and MoE layers (mlp_only_layers={list(model_cfg.mlp_only_layers)}, "
+             f"decoder_sparse_step={model_cfg.decoder_sparse_step}), which the planner does not model yet: "
+             "set trainer.preflight=false to train it without the memory check")
 
 
 def _validate_expert_parallel(cfg: DictConfig, model_cfg: Any, strategy: "Strategy") -> None:

@@ -12,12 +12,13 @@ from torch import nn
 
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.models.llama import Llama, LlamaConfig
+from trainer.models.qwen3 import Qwen3, Qwen3Config
 
-ModelConfig = Union[LlamaConfig, GPTConfig]
+ModelConfig = Union[LlamaConfig, GPTConfig, Qwen3Config]
 
 # Schema of each model family, registered in Hydra's ConfigStore as `<name>_schema` by
 # trainer.config.register_configs (conf/model/*.yaml names it in its defaults list).
-SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig}
+SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig, "qwen3": Qwen3Config}
 
 __all__ = [
     "GPT",
@@ -25,6 +26,8 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "ModelConfig",
+    "Qwen3",
+    "Qwen3Config",
     "SCHEMAS",
     "build_meta_model",
     "build_model",

@@ -153,7 +153,11 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
         ]
     q, kv = inv.attention_dim, inv.kv_dim
     exchanged = [Saved("attention output before the all-to-all", sb * q, e, TP, frozenset({"none", "selective"}))]
-    return [*(exchanged if all_to_all else []),
+    # Qwen3's per-head q/k RMSNorm: its input (the wq/wk output), x*rstd and rstd (one per head and token)
+    qk_norm = [Saved("q_norm/k_norm input (wq/wk outputs)", sb * (q + kv), e, TP),
+               Saved("q_norm/k_norm x*rstd", sb * (q + kv), e, TP),
+               Saved("q_norm/k_norm rstd", sb * (a + inv.n_kv_heads), 4, TP)]
+    return [*(exchanged if all_to_all else []), *(qk_norm if inv.qk_norm else []),
         Saved("attention_norm input (block input)", sb * h, e, SP, selective, block_input=True),
         Saved("attention_norm x*rstd", sb * h, e, SP),
         Saved("attention_norm rstd", sb, 4, SP),

@@ -52,7 +52,7 @@ class ParamSpec:
 class ModelInventory:
     """Every parameter of a model, grouped by where it lives, plus the sizes the other estimates need."""
 
-    family: str  # "llama" or "gpt"
+    family: str  # "llama" (Qwen3 too: the same block layout) or "gpt"
     n_layers: int
     dim: int
     n_heads: int
@@ -70,6 +70,8 @@ class ModelInventory:
     # Mixture of Experts (0: dense): routed experts per layer and experts per token.
     n_experts: int = 0
     top_k: int = 1
+    # RMSNorm of each query and key head before RoPE (Qwen3): what it saves for the backward.
+    qk_norm: bool = False
 
     @property
     def attention_dim(self) -> int:
@@ -159,6 +161,54 @@ def _llama_inventory(cfg: Any) -> ModelInventory:
     )
 
 
+def _qwen3_inventory(cfg: Any) -> ModelInventory:
+    """Qwen3 (trainer/models/qwen3): the Llama block with per-head q/k RMSNorm weights, head_dim of its
+    own, optional q/k/v/o biases, Qwen3-MoE experts. Tensor splits as the Llama's would be (Qwen3 refuses
+    tp for now, `Qwen3Config.unsupported_parallelism`, so they only matter to the search's what-ifs)."""
+    sparse = cfg.sparse_layers
+    if sparse and len(sparse) != cfg.n_layers:
+        # The inventory describes one block for all layers; a mix is the model-family contract's job.
+        raise ValueError(f"model {cfg.name} mixes dense and MoE layers (mlp_only_layers={list(cfg.mlp_only_layers)}, "
+                         f"decoder_sparse_step={cfg.decoder_sparse_step}): the planner models every layer alike; "
+                         "set trainer.preflight=false to train it without the memory check")
+    h, v, d = cfg.dim, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.n_heads * d, cfg.num_kv_heads * d
+    bias = cfg.attention_bias
+    layer: tuple[ParamSpec, ...] = (
+        ParamSpec("attention_norm.weight", (h,), None),
+        ParamSpec("attention.wq.weight", (q, h), 0, True), *([ParamSpec("attention.wq.bias", (q,), 0)] if bias else []),
+        ParamSpec("attention.wk.weight", (kv, h), 0, True), *([ParamSpec("attention.wk.bias", (kv,), 0)] if bias else []),
+        ParamSpec("attention.wv.weight", (kv, h), 0, True), *([ParamSpec("attention.wv.bias", (kv,), 0)] if bias else []),
+        ParamSpec("attention.q_norm.weight", (d,), None),
+        ParamSpec("attention.k_norm.weight", (d,), None),
+        ParamSpec("attention.wo.weight", (h, q), 1, True), *([ParamSpec("attention.wo.bias", (h,), None)] if bias else []),
+        ParamSpec("ffn_norm.weight", (h,), None),
+    )
+    n_experts, top_k = (cfg.n_experts, cfg.top_k) if sparse else (0, 1)
+    f = cfg.ffn_hidden_dim
+    if sparse:
+        fe, active = cfg.moe_hidden_dim, cfg.top_k / cfg.n_experts
+        layer += (ParamSpec("feed_forward.router.weight", (n_experts, h), None, True),
+                  ParamSpec("feed_forward.experts.w1", (n_experts, fe, h), None, True, True, active),
+                  ParamSpec("feed_forward.experts.w2", (n_experts, h, fe), None, True, True, active),
+                  ParamSpec("feed_forward.experts.w3", (n_experts, fe, h), None, True, True, active))
+        f = top_k * fe  # SwiGLU hidden activations a token produces (the activation model's width)
+    else:
+        layer += (ParamSpec("feed_forward.w1.weight", (f, h), 0, True),
+                  ParamSpec("feed_forward.w2.weight", (h, f), 1, True),
+                  ParamSpec("feed_forward.w3.weight", (f, h), 0, True))
+    head = [ParamSpec("norm.weight", (h,), None)]
+    if not cfg.tie_embeddings:
+        head.append(ParamSpec("output.weight", (v, h), 0, True))
+    # family "llama": the activation and timing models of a Llama block (SDPA, SwiGLU) apply, plus qk_norm
+    return ModelInventory(
+        family="llama", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.num_kv_heads,
+        head_dim=d, ffn_dim=f, vocab_size=v, tied=cfg.tie_embeddings, attn_impl="sdpa", dropout=0.0,
+        embedding=(ParamSpec("tok_embeddings.weight", (v, h), 0),), layer=layer, head=tuple(head),
+        n_experts=n_experts, top_k=top_k, qk_norm=True,
+    )
+
+
 def _gpt_inventory(cfg: Any) -> ModelInventory:
     h, f, v = cfg.dim, cfg.hidden_dim, cfg.vocab_size
     # Tensor-parallel splits as Megatron-LM and this trainer's tp strategy lay GPT out: the head-major
@@ -197,11 +247,16 @@ def _gpt_inventory(cfg: Any) -> ModelInventory:
 
 
 def inventory(model_cfg: Any) -> ModelInventory:
-    """The inventory of a model config dataclass (`LlamaConfig` or `GPTConfig`)."""
-    from trainer.models import GPTConfig, LlamaConfig
+    """The inventory of a model config dataclass (`LlamaConfig`, `GPTConfig` or `Qwen3Config`).
+
+    (This ladder is what the model-family contract replaces: a family will hand the planner its own
+    inventory.)"""
+    from trainer.models import GPTConfig, LlamaConfig, Qwen3Config
 
     if isinstance(model_cfg, LlamaConfig):
         return _llama_inventory(model_cfg)
     if isinstance(model_cfg, GPTConfig):
         return _gpt_inventory(model_cfg)
-    raise TypeError(f"the planner knows the llama and gpt families, not {type(model_cfg).__name__}")
+    if isinstance(model_cfg, Qwen3Config):
+        return _qwen3_inventory(model_cfg)
+    raise TypeError(f"the planner knows the llama, gpt and qwen3 families, not {type(model_cfg).__name__}")
