@@ -130,7 +130,11 @@ MODEL = ["model=tiny"]
 LOOP = ["trainer.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "trainer.log_every=1",
         "trainer.val_every=0", "trainer.val_batches=4", "lr_schedule.warmup_steps=10", "data.max_bytes=2000000",
         "callbacks=none", "trainer.save_final=false", "trainer.peak_flops=1e12"]
-LONG = ["trainer.max_steps=100", "trainer.val_every=100", "trainer.global_batch_size=8"]
+# 100 steps at a third of the default peak LR. At the default (3e-3) this batch of 8 is in the unstable
+# regime SHORT's comment describes, and how far bf16 and float8 end apart depends on the CPU's kernels: the
+# same test passed on one VM and ended 3.4% apart (train) on another, with torchao 0.17 and 0.18 alike.
+# At 1e-3 on that second VM: 1.5% (train, last 10 steps) and 1.0% (validation) for tensorwise.
+LONG = ["trainer.max_steps=100", "trainer.val_every=100", "trainer.global_batch_size=8", "optimizer.lr=1e-3"]
 # The parity runs at a tenth of the default peak LR: the default's warm-up reaches an unstable regime by
 # step 8 on this tiny batch, where any difference (float8 roundings included) is amplified chaotically.
 SHORT = ["trainer.max_steps=20", "optimizer.lr=3e-4"]
