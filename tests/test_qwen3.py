@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.launch_pool import POOL
 from trainer.checkpoint import save_checkpoint
 from trainer.checkpoint.hf import export_state_dict, export_trainer, main, read_hf_config
 from trainer.config import ConfigError, compose, validate
@@ -428,24 +429,25 @@ DATA_PARALLEL = [("qwen3_tiny", "ddp", ["strategy=ddp"]), ("qwen3_tiny", "zero3"
                  ("qwen3_moe_tiny", "ddp_ep2", ["strategy=ddp", "ep=2"])]
 
 
+POOL.add("qwen3", 2, [
+    {"name": f"{model}_{name}",
+     "overrides": [f"model={model}", *PARITY_RUN, *overrides, "trainer.devices=2", "trainer.micro_batch_size=4"]}
+    for model, name, overrides in DATA_PARALLEL])
+
+
 @pytest.mark.slow
 def test_ddp_zero3_and_expert_parallel_match_one_process(tmp_path: Path) -> None:
     """2 ranks x 2 micro-batches of 4 hold the same micro-batches as one process's 4 micro-batches of 4, so
     the per-micro-batch pooled aux loss is the same too: same losses and weights (ep=2: each rank holds 4
     of the 8 experts of every layer and exchanges tokens)."""
-    from tests.test_strategies import launch_harness
-
-    runs = [{"name": f"{model}_{name}",
-             "overrides": [f"model={model}", *PARITY_RUN, *overrides, "trainer.devices=2", "trainer.micro_batch_size=4"]}
-            for model, name, overrides in DATA_PARALLEL]
-    launch_harness(tmp_path, 2, runs)
+    launched = POOL.ensure(2, "qwen3") / "np2"
     for model in ("qwen3_tiny", "qwen3_moe_tiny"):
         reference = build_trainer(compose([f"model={model}", *PARITY_RUN, "trainer.micro_batch_size=4"]),
                                   tmp_path / model)
         reference.fit()
         weights = reference.strategy.full_state_dict(reference.model_parts)
         for name in (name for m, name, _ in DATA_PARALLEL if m == model):
-            run_dir = tmp_path / "np2" / f"{model}_{name}"
+            run_dir = launched / f"{model}_{name}"
             assert losses(run_dir) == pytest.approx(losses(tmp_path / model), rel=1e-5), (model, name)
             theirs = torch.load(run_dir / "weights.pt", weights_only=True)
             assert theirs.keys() == weights.keys()

@@ -366,7 +366,7 @@ def test_a_nan_or_a_spike_on_one_rank_makes_every_rank_skip(runs: Path) -> None:
         rows = list(csv.DictReader(f))
     assert [(int(r["step"]), float(r["spike_action"])) for r in rows if r.get("spike_action")] == [(10, 1.0), (13, 3.0)]
     assert [float(r["spike_value"]) for r in rows if r.get("spike_action") == "3.0"] == [spike["value"]]
-    log = (runs / "train.log").read_text()
+    log = (run / "train.log").read_text()
     assert "loss-spike stabilizer: step 10: nonfinite_grad (rank 1): nan; action skip" in log
     assert "loss-spike stabilizer: step 14: loss_spike (rank 0)" in log
     assert "action rollback to step 12, skipping global batches 12..13" in log
