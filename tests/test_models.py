@@ -17,11 +17,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainer.models import SCHEMAS as MODEL_SCHEMAS
 from trainer.models import GPT, GPTConfig, Llama, LlamaConfig, build_meta_model, build_model
 from trainer.models.llama import apply_rope, compute_rope_cache
 
 MODEL_CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
-SCHEMAS: dict[str, type] = {"llama_schema": LlamaConfig, "gpt_schema": GPTConfig}
+# Every family's schema, as trainer.config.register_configs stores them (`<family>_schema`).
+SCHEMAS: dict[str, type] = {f"{name}_schema": schema for name, schema in MODEL_SCHEMAS.items()}
 
 
 def load_config(name: str) -> Any:

@@ -14,6 +14,12 @@ Mixture-of-Experts Llamas (`model.n_experts > 0`, no shared experts) are Mixtral
 with the Hub's layout, the router as `block_sparse_moe.gate` and expert j's SwiGLU as
 `block_sparse_moe.experts.<j>.w1/w2/w3` (our experts are stacked [E, ...] tensors, split on export and
 stacked again on import; transformers >= 5 fuses them itself when loading).
+
+Other families plug in through `ADAPTERS` (keyed by config class) / `ADAPTERS_BY_MODEL_TYPE`: an adapter
+maps names, tensors and config.json (DeepSeek-V3: `trainer/models/deepseek_v3/hf_adapter.py`), and this
+module does the files: export writes its tensors, import reads each weight the run holds from the
+safetensors files (every rank reads whole tensors and keeps its part; not DCP's per-slice reader yet).
+The model-family contract of issue 28 is meant to own this registry.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from trainer.checkpoint.manifest import CheckpointError, read_manifest, verify_files
+from trainer.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
+from trainer.models.deepseek_v3.model import DeepSeekV3Config
 from trainer.models.llama import LlamaConfig
 
 if TYPE_CHECKING:
@@ -39,6 +47,11 @@ log = logging.getLogger("trainer")
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+# Model families with a Hugging Face adapter (the Llama/Mixtral mapping below is this module's own).
+ADAPTERS: dict[type, DeepSeekV3HFAdapter] = {DeepSeekV3Config: DeepSeekV3HFAdapter()}
+ADAPTERS_BY_MODEL_TYPE = {adapter.model_type: adapter for adapter in ADAPTERS.values()}
+# Config classes by name, to rebuild the config a checkpoint manifest records.
+CONFIG_CLASSES: dict[str, type] = {"LlamaConfig": LlamaConfig, **{cls.__name__: cls for cls in ADAPTERS}}
 # Per-layer names: ours -> Hugging Face's (under `model.layers.<i>.`).
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -187,9 +200,23 @@ def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
     )
 
 
-def read_hf_config(directory: Path | str) -> LlamaConfig:
+def read_hf_config(directory: Path | str) -> Any:
+    """Our model config for a Hugging Face directory's config.json (Llama, Mixtral or an adapter's family)."""
     directory = Path(directory)
-    return llama_config_from_hf(json.loads((directory / CONFIG_FILE).read_text()), name=directory.name)
+    hf = json.loads((directory / CONFIG_FILE).read_text())
+    adapter = ADAPTERS_BY_MODEL_TYPE.get(hf.get("model_type"))
+    if adapter is None:
+        return llama_config_from_hf(hf, name=directory.name)
+    try:
+        return adapter.config_from_hf(hf, name=directory.name)
+    except ValueError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
+
+
+def _config_from_saved(saved: dict[str, Any]) -> Any:
+    """The config dataclass a checkpoint manifest (or `model_config_dict`) records, None if unknown."""
+    cls = CONFIG_CLASSES.get(saved.get("class", ""))
+    return None if cls is None else cls(**{k: v for k, v in saved.items() if k != "class"})
 
 
 def is_hf_model(path: Path) -> bool:
@@ -202,8 +229,11 @@ def export_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, out_d
     """Write full (unsharded) weights with our names as a Hugging Face Llama model in `out_dir`."""
     from safetensors.torch import save_file
 
+    adapter = ADAPTERS.get(type(config))
+    if adapter is not None:
+        return _export_with_adapter(adapter, state, config, Path(out_dir), dtype)
     if not isinstance(config, LlamaConfig):
-        raise CheckpointError(f"only Llama models export to the Hugging Face Llama format, not {type(config).__name__}")
+        raise CheckpointError(f"{type(config).__name__} models have no Hugging Face export")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_mixtral(config)
@@ -227,17 +257,33 @@ def export_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, out_d
     return out_dir
 
 
+def _export_with_adapter(adapter: DeepSeekV3HFAdapter, state: dict[str, torch.Tensor], config: Any, out_dir: Path,
+                         dtype: Optional[torch.dtype]) -> Path:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full = {key: (t.detach().to("cpu") if dtype is None else t.detach().to("cpu", dtype)) for key, t in state.items()}
+    try:
+        tensors = adapter.export_tensors(config, full)
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(str(error).strip("'\"")) from None
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    saved_dtype = dtype or next(iter(tensors.values())).dtype
+    (out_dir / CONFIG_FILE).write_text(json.dumps(adapter.hf_config(config, saved_dtype), indent=2) + "\n")
+    return out_dir
+
+
 def export_trainer(trainer: "Trainer", out_dir: Path | str, dtype: Optional[torch.dtype] = None) -> Optional[Path]:
     """Export a running trainer's model (collective: the shards are gathered; rank 0 writes)."""
     from trainer.checkpoint.state import model_config_dict
 
     state = trainer.strategy.full_state_dict(trainer.model_parts)
     saved = model_config_dict(trainer) or {}
-    config = LlamaConfig(**{k: v for k, v in saved.items() if k != "class"}) if saved.get("class") == "LlamaConfig" else None
+    config = _config_from_saved(saved)
     path = None
     if trainer.is_global_zero:
         if config is None:
-            raise CheckpointError(f"only Llama models export to the Hugging Face format (this is {saved.get('class')})")
+            raise CheckpointError(f"{saved.get('class')} models have no Hugging Face export")
         path = export_state_dict(state, config, out_dir, dtype)
     trainer.strategy.barrier()
     return path
@@ -257,9 +303,9 @@ def export_checkpoint(checkpoint: Path | str, out_dir: Path | str, dtype: Option
     # shard could otherwise be exported as wrong weights without an error.
     verify_files(checkpoint, sorted(manifest["files"]), manifest)
     saved = dict(manifest.get("model") or {})
-    if saved.pop("class", None) != "LlamaConfig":
-        raise CheckpointError(f"{checkpoint} does not hold a Llama model")
-    config = LlamaConfig(**saved)
+    config = _config_from_saved(saved)
+    if config is None:
+        raise CheckpointError(f"{checkpoint} holds no model with a Hugging Face export ({saved.get('class')})")
     with torch.device("cpu"):
         model = build_model(config)
     state = {f"model.{key}": value for key, value in model.state_dict().items()}
@@ -284,6 +330,10 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
 
     directory = Path(directory)
     theirs = read_hf_config(directory)
+    adapter = ADAPTERS.get(type(theirs))
+    if adapter is not None:
+        _load_with_adapter(trainer, directory, adapter, theirs)
+        return
     saved, current = {"class": "LlamaConfig", **dataclasses.asdict(theirs)}, dict(model_config_dict(trainer) or {})
     if theirs.is_moe:  # the dense SwiGLU width is unused by an MoE (Mixtral's intermediate_size is the experts')
         for key in ("ffn_hidden_dim", "multiple_of", "ffn_dim_multiplier"):
@@ -304,6 +354,58 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
     loaded = {key: template[hf_name] for key, hf_name in names.items()}
     loaded.update({key: _read_stacked_experts(directory, key, value) for key, value in experts.items()})
     loaded.update({key: value for key, value in ours.items() if key.endswith("expert_bias")})
+    load_model_state(trainer.model_parts, loaded)
+
+
+class _SafetensorsFiles:
+    """Tensors of a directory's *.safetensors files by name (each file opened once, tensors read lazily)."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self.files = [safe_open(str(path), framework="pt") for path in sorted(directory.glob("*.safetensors"))]
+        self.where = {name: handle for handle in self.files for name in handle.keys()}
+
+    def read(self, name: str) -> Optional[torch.Tensor]:
+        handle = self.where.get(name)
+        return None if handle is None else handle.get_tensor(name)
+
+
+def _load_with_adapter(trainer: "Trainer", directory: Path, adapter: DeepSeekV3HFAdapter, theirs: Any) -> None:
+    """Every weight the run's model parts hold, read from the Hugging Face files through `adapter` and put
+    into its layout (a DTensor keeps its mesh and placements)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from trainer.checkpoint.state import architecture_mismatch, load_model_state, model_config_dict, model_state
+
+    current = dict(model_config_dict(trainer) or {})
+    problems = architecture_mismatch({"class": type(theirs).__name__, **dataclasses.asdict(theirs)}, current)
+    if problems:
+        raise CheckpointError(f"{directory} holds another architecture than this run's model: " + "; ".join(problems))
+    config = _config_from_saved(current)
+    files = _SafetensorsFiles(directory)
+    loaded: dict[str, torch.Tensor] = {}
+    missing_optional = []
+    for key, like in model_state(trainer.model_parts).items():
+        try:
+            full = adapter.import_tensor(config, key, files.read)
+        except KeyError as error:
+            raise CheckpointError(f"{directory}: {str(error).strip(chr(39))}") from None
+        if full is None:  # an optional weight the directory lacks (an MTP layer): keep the initialized one
+            missing_optional.append(key)
+            loaded[key] = like
+            continue
+        if tuple(full.shape) != tuple(like.shape):
+            raise CheckpointError(f"{directory}: {key} has shape {tuple(full.shape)}, the model {tuple(like.shape)}")
+        full = full.to(like.dtype)
+        if isinstance(like, DTensor):
+            loaded[key] = distribute_tensor(full.to(like.device_mesh.device_type), like.device_mesh, like.placements,
+                                            src_data_rank=None)
+        else:
+            loaded[key] = full.to(like.device)
+    if missing_optional:
+        log.warning(f"{directory} has no weights for {len(missing_optional)} tensors of the multi-token-prediction "
+                    f"module (e.g. {missing_optional[0]}): they keep their initialization")
     load_model_state(trainer.model_parts, loaded)
 
 

@@ -88,7 +88,10 @@ def model_config_dict(trainer: "Trainer") -> dict[str, Any] | None:
 # (Llama's max_seq_len only sizes the RoPE table, which is not saved; GPT's sizes its position embedding).
 ARCHITECTURE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
                        "multiple_of", "ffn_dim_multiplier", "tie_embeddings", "bias", "n_experts",
-                       "moe_hidden_dim", "n_shared_experts")
+                       "moe_hidden_dim", "n_shared_experts",
+                       # DeepSeek-V3 (MLA widths, where the MoE layers start)
+                       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "first_k_dense_replace")
 POSITION_TABLE_FAMILIES = ("GPTConfig",)
 
 

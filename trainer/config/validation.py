@@ -211,6 +211,7 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
         model_cfg = OmegaConf.to_object(cfg.model)  # the model configs check their shapes on creation
     except ValueError as error:
         raise ConfigError("model", f"{error} (model={cfg.model.name})") from None
+    _validate_model_parallelism(cfg, model_cfg)
     # tensor parallelism: can the model split over tp? (a no-op for strategies without it)
     _validate_context_parallel(cfg, model_cfg)
     _validate_expert_parallel(cfg, model_cfg, strategy)
@@ -224,6 +225,19 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
     if max_seq_len is not None:
         _require(cfg.trainer.seq_len <= max_seq_len, "trainer.seq_len",
                  f"{cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} of model {cfg.model.name}")
+
+
+def _validate_model_parallelism(cfg: DictConfig, model_cfg: Any) -> None:
+    """A model family that cannot run a parallel layout yet says so here (DeepSeek-V3: data parallelism
+    only). The isinstance check is what issue 28's model-family contract replaces (the family then states
+    what it supports, and strategies ask it)."""
+    from trainer.models.deepseek_v3 import DeepSeekV3Config
+
+    if isinstance(model_cfg, DeepSeekV3Config):
+        problem = model_cfg.unsupported_parallelism(tp=int(cfg.tp), pp=int(cfg.pp), cp=int(cfg.cp),
+                                                    ep=ep if isinstance(ep := cfg.get("ep", 1), int) else 1)
+        if problem is not None:
+            raise ConfigError(*problem)
 
 
 def _validate_expert_parallel(cfg: DictConfig, model_cfg: Any, strategy: "Strategy") -> None:
