@@ -115,7 +115,7 @@ def test_every_option_composes_and_instantiates(group: str, option: str, token_d
 INVALID = [
     (["trainer.max_stepz=5"], "trainer.max_stepz: unknown key; did you mean 'max_steps'?"),
     (["trainer.max_steps=abc"], "trainer.max_steps:"),
-    (["model=nope"], "model=nope: no such option; available: gpt2_small"),
+    (["model=nope"], "model=nope: no such option; available: deepseek_v3_671b, deepseek_v3_tiny, gpt2_small"),
     (["strategy=nope"], "strategy=nope: no such option; available: 3d, ddp, fsdp, pp, single, tp, zero1, zero2, zero3"),
     (["trainer.global_batch_size=20"], "trainer.global_batch_size: 20 is not a multiple of"),
     (["trainer.seq_len=1024"], "trainer.seq_len: 1024 exceeds model.max_seq_len=512"),

@@ -1,9 +1,11 @@
 """Hugging Face models: export to (and import from) `config.json` + `model.safetensors`.
 
-Each model family that has a transformers counterpart registers an adapter (`HFAdapter`: config.json both
-ways, weight names, stacked weights split into per-expert tensors) in `ADAPTERS`, keyed by its config
-class; export and import below are family-agnostic and go through it. Llama / Mixtral (`LlamaHFAdapter`,
-this module) and Qwen3 / Qwen3-MoE (`trainer/models/qwen3/hf_adapter.py`) are registered.
+Each model family that has a transformers counterpart registers an adapter (`trainer.interfaces.HFAdapter`:
+config.json both ways, weight names, stacked weights split into per-expert tensors, weights a directory may
+lack, extra tensors of a published layout) in `ADAPTERS`, keyed by its config class; export and import
+below are family-agnostic and go through it. Llama / Mixtral (`LlamaHFAdapter`, this module), Qwen3 /
+Qwen3-MoE (`trainer/models/qwen3/hf_adapter.py`) and DeepSeek-V3 (`trainer/models/deepseek_v3/hf_adapter.py`)
+are registered.
 
 Llama weight names map one to one onto `transformers`' `LlamaForCausalLM`. No reordering of the query/key
 projections is needed: this model's RoPE rotates channel pairs (i, i + head_dim/2), Hugging Face's
@@ -30,11 +32,13 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from trainer.checkpoint.manifest import CheckpointError, read_manifest, verify_files
+from trainer.interfaces.hf_adapter import HFAdapter
+from trainer.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from trainer.models.llama import LlamaConfig
 from trainer.models.qwen3.hf_adapter import Qwen3HFAdapter
 
@@ -194,36 +198,7 @@ def llama_config_from_hf(hf: dict[str, Any], name: str = "hf") -> LlamaConfig:
 
 
 # ---- the adapter registry ------------------------------------------------------------------------------
-class HFAdapter(Protocol):
-    """What export and import need from a model family with a transformers counterpart. (The model-family
-    contract will make this one of the family's hooks; until then `ADAPTERS` lists them.)"""
-
-    config_class: type  # our config dataclass
-    model_types: tuple[str, ...]  # the config.json `model_type`s it reads
-
-    def check(self, config: Any) -> None:
-        """Raise ValueError when transformers has no counterpart of this config."""
-
-    def hf_config(self, config: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """`config.json` for our config."""
-
-    def config_from_hf(self, hf: dict[str, Any], name: str = "hf") -> Any:
-        """Our config for a `config.json` (ValueError for what the model does not implement)."""
-
-    def ignored_mismatch_fields(self, config: Any) -> tuple[str, ...]:
-        """Config fields an init_from run need not agree on (they change no tensor of this config)."""
-
-    def skipped(self, name: str) -> bool:
-        """Our state-dict entries that transformers has no tensor for."""
-
-    def hf_name(self, name: str) -> str:
-        """transformers' name of one of our weights (KeyError: none)."""
-
-    def stacked_hf_names(self, name: str, count: int) -> Optional[list[str]]:
-        """For a weight stacked on dim 0 (`count` experts), transformers' name of each slice; else None."""
-
-
-class LlamaHFAdapter:
+class LlamaHFAdapter(HFAdapter):
     """Llama (LlamaForCausalLM) and Mixtral (MixtralForCausalLM, an MoE Llama): the functions above."""
 
     config_class = LlamaConfig
@@ -255,7 +230,8 @@ class LlamaHFAdapter:
 
 # Keyed by our config class; `adapter_for` also finds one by its class name (a checkpoint's manifest) or
 # by the `model_type` of a config.json.
-ADAPTERS: dict[type, HFAdapter] = {LlamaConfig: LlamaHFAdapter(), Qwen3HFAdapter.config_class: Qwen3HFAdapter()}
+ADAPTERS: dict[type, HFAdapter] = {adapter.config_class: adapter for adapter in (
+    LlamaHFAdapter(), Qwen3HFAdapter(), DeepSeekV3HFAdapter())}
 
 
 def adapter_for(config: Any = None, *, class_name: Optional[str] = None, model_type: Optional[str] = None) -> HFAdapter:
@@ -307,20 +283,24 @@ def export_state_dict(state: dict[str, torch.Tensor], config: Any, out_dir: Path
         raise CheckpointError(str(error)) from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    ours = {name: tensor.detach().to("cpu") if dtype is None else tensor.detach().to("cpu", dtype)
+            for name, tensor in state.items()}
     tensors = {}
-    for name, tensor in state.items():
+    for name, tensor in ours.items():
         if name == "output.weight" and config.tie_embeddings:
             continue  # HF ties lm_head to embed_tokens itself
         if adapter.skipped(name):
             continue
-        tensor = tensor.detach().to("cpu")
-        tensor = tensor if dtype is None else tensor.to(dtype)
         stacked = adapter.stacked_hf_names(name, tensor.shape[0]) if tensor.ndim else None
         if stacked is not None:  # one tensor per expert, as the Hub's MoE checkpoints hold them
             for index, hf_name in enumerate(stacked):
                 tensors[hf_name] = tensor[index].contiguous()
             continue
-        tensors[adapter.hf_name(name)] = tensor.contiguous()
+        try:
+            tensors[adapter.hf_name(name)] = tensor.contiguous()
+        except KeyError as error:
+            raise CheckpointError(str(error).strip("'\"")) from None
+    tensors.update(adapter.extra_tensors(config, ours))
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     saved_dtype = dtype or next(iter(tensors.values())).dtype
     (out_dir / CONFIG_FILE).write_text(json.dumps(adapter.hf_config(config, saved_dtype), indent=2) + "\n")
@@ -398,33 +378,80 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
     # A tied head has no lm_head entry: it reads embed_tokens (a pipeline's last stage holds its own copy).
     names = {key: adapter.hf_name("tok_embeddings.weight" if key == "output.weight" and theirs.tie_embeddings else key)
              for key in ours if key not in stacked and not adapter.skipped(key)}
-    template = {hf_name: ours[key] for key, hf_name in names.items()}
+    available = _tensor_names(directory)
+    absent = [key for key, hf_name in names.items() if hf_name not in available and adapter.optional(key)]
+    if absent:  # e.g. DeepSeek-V3's MTP module, which transformers' save_pretrained does not write
+        log.warning(f"{directory} has no weights for {len(absent)} tensors (e.g. {absent[0]}): they keep their "
+                    "initialization")
+    template = {hf_name: ours[key] for key, hf_name in names.items() if key not in absent}
     with dcp_call() as no_dist:
         dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
                  no_dist=no_dist)
-    loaded = {key: template[hf_name] for key, hf_name in names.items()}
-    loaded.update({key: _read_stacked(directory, key, stacked[key], ours[key]) for key in stacked})
-    loaded.update({key: value for key, value in ours.items() if adapter.skipped(key)})
+    loaded = {key: template[hf_name] for key, hf_name in names.items() if key not in absent}
+    for key, hf_names in stacked.items():
+        if adapter.optional(key) and not any(name in available for name in hf_names) \
+                and _fused_expert_name(hf_names[0]) not in available:
+            absent.append(key)
+        else:
+            loaded[key] = _read_stacked(directory, key, hf_names, ours[key])
+    loaded.update({key: value for key, value in ours.items() if adapter.skipped(key) or key in absent})
     load_model_state(trainer.model_parts, loaded)
 
 
+def _tensor_names(directory: Path) -> set[str]:
+    """The tensor names of a directory's safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_expert_name(hf_name: str) -> Optional[str]:
+    """transformers (>= 5)'s fused tensor holding the per-expert `hf_name`: `<...>.experts.gate_up_proj`
+    ([E, 2 x hidden, dim], the gate rows first) or `<...>.experts.down_proj` ([E, dim, hidden]); None for
+    names of another layout (Mixtral's w1/w2/w3)."""
+    match = _PER_EXPERT.match(hf_name)
+    if match is None:
+        return None
+    return f"{match.group(1)}.{'down_proj' if match.group(2) == 'down_proj' else 'gate_up_proj'}"
+
+
 def _read_stacked(directory: Path, key: str, hf_names: list[str], like: torch.Tensor) -> torch.Tensor:
-    """Our stacked weight `key` from its per-expert tensors `hf_names`, in `like`'s layout (a DTensor keeps
-    its mesh and placements: each rank keeps its part of the full tensor)."""
+    """Our stacked weight `key` from its per-expert tensors `hf_names` (or from the fused tensor
+    transformers >= 5 saves), in `like`'s layout (a DTensor keeps its mesh and placements: each rank
+    keeps its part of the full tensor)."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     wanted = {name: index for index, name in enumerate(hf_names)}
+    fused_name = _fused_expert_name(hf_names[0])
     pieces: dict[int, torch.Tensor] = {}
+    fused: Optional[torch.Tensor] = None
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name in wanted:
                     pieces[wanted[name]] = f.get_tensor(name)
-    if len(pieces) != len(hf_names):
+                elif name == fused_name:
+                    fused = f.get_tensor(name)
+    if len(pieces) == len(hf_names):
+        full = torch.stack([pieces[e] for e in range(len(hf_names))])
+    elif not pieces and fused is not None and fused_name is not None:
+        if fused_name.endswith("down_proj"):
+            full = fused
+        else:
+            gate, up = fused.chunk(2, dim=1)
+            full = up if hf_names[0].endswith(".up_proj.weight") else gate
+    else:
         missing = [name for name, index in wanted.items() if index not in pieces]
         raise CheckpointError(f"{directory} lacks {len(missing)} expert tensors of {key}, e.g. {missing[0]}")
-    full = torch.stack([pieces[e] for e in range(len(hf_names))]).to(like.dtype)
+    full = full.to(like.dtype)
     if isinstance(like, DTensor):
         return distribute_tensor(full.to(like.device_mesh.device_type), like.device_mesh, like.placements,
                                  src_data_rank=None)
@@ -433,7 +460,7 @@ def _read_stacked(directory: Path, key: str, hf_names: list[str], like: torch.Te
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint.hf",
-                                     description="Convert a checkpoint into a Hugging Face model (Llama, Mixtral, Qwen3, Qwen3-MoE).")
+                                     description="Convert a checkpoint into a Hugging Face model (Llama, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3).")
     sub = parser.add_subparsers(dest="command", required=True)
     export = sub.add_parser("export", help="checkpoint directory -> config.json + model.safetensors")
     export.add_argument("checkpoint", type=Path)

@@ -90,7 +90,10 @@ ARCHITECTURE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                        "multiple_of", "ffn_dim_multiplier", "tie_embeddings", "bias", "n_experts",
                        "moe_hidden_dim", "n_shared_experts",
                        # Qwen3: a head width of its own, q/k/v/o biases, which layers are MoE
-                       "head_dim", "attention_bias", "decoder_sparse_step", "mlp_only_layers")
+                       "head_dim", "attention_bias", "decoder_sparse_step", "mlp_only_layers",
+                       # DeepSeek-V3 (MLA widths, where the MoE layers start)
+                       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "first_k_dense_replace")
 POSITION_TABLE_FAMILIES = ("GPTConfig",)
 
 

@@ -10,17 +10,21 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainer.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.models.llama import Llama, LlamaConfig
 from trainer.models.qwen3 import Qwen3, Qwen3Config
 
-ModelConfig = Union[LlamaConfig, GPTConfig, Qwen3Config]
+ModelConfig = Union[LlamaConfig, GPTConfig, Qwen3Config, DeepSeekV3Config]
 
 # Schema of each model family, registered in Hydra's ConfigStore as `<name>_schema` by
 # trainer.config.register_configs (conf/model/*.yaml names it in its defaults list).
-SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig, "qwen3": Qwen3Config}
+SCHEMAS: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig, "qwen3": Qwen3Config,
+                           "deepseek_v3": DeepSeekV3Config}
 
 __all__ = [
+    "DeepSeekV3",
+    "DeepSeekV3Config",
     "GPT",
     "GPTConfig",
     "Llama",

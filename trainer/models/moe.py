@@ -295,7 +295,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self._shared(flat)
 
-        aux = self.balance_loss(counts, probs, tokens)
+        aux = self.balance_loss(counts, probs, tokens, chosen=chosen, seq_len=shape[-2] if x.dim() > 2 else tokens)
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         self._record(counts, dropped, aux, z)
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
@@ -303,11 +303,16 @@ class MoE(nn.Module):
             out = _AttachAuxLoss.apply(out, total)
         return out.view(shape)
 
-    def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int) -> torch.Tensor:
+    def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int, *,
+                     chosen: Optional[torch.Tensor] = None, seq_len: Optional[int] = None) -> torch.Tensor:
         """Switch / Mixtral `E * sum_e f_e P_e` over this micro-batch's tokens: with a sequence group, the
         assignment counts and router probabilities of all its ranks (training forwards only; the value is
         the same on every rank, and `_SumOverGroup` gives each rank's probabilities their share of the
-        gradient, which the cp gradient averaging then turns into the single process's)."""
+        gradient, which the cp gradient averaging then turns into the single process's).
+
+        `chosen` ([T, k] experts per token) and `seq_len` (tokens per sequence) are for subclasses whose
+        loss is per sequence (DeepSeek-V3's sequence-wise balance loss); this batch-wise one ignores them."""
+        del chosen, seq_len
         assigned, prob_sum = counts.detach().float(), probs.sum(dim=0)
         if self.sequence_group is not None and self.training:
             size = dist.get_world_size(self.sequence_group)
@@ -366,6 +371,23 @@ def moe_layers(model_parts: Sequence[nn.Module]) -> list[tuple[str, MoE]]:
     return sorted(found, key=lambda item: int(item[0]) if item[0].isdigit() else 0)
 
 
+class StepStatistics:
+    """Mixin of a module, other than an MoE layer, that accumulates training statistics between two reads
+    of `collect_moe_stats` (DeepSeek-V3's multi-token-prediction losses): they are averaged over the
+    data-parallel ranks in the same collective as the MoE rows and logged with them, so the loop logs them
+    without knowing the module. Every rank must report the same number of values (fixed by the config).
+
+    (Issue 28's model-family contract replaces this with a per-step hook of the family.)"""
+
+    def stat_names(self) -> list[str]:
+        """The metric names of `read_stats`' values, in order."""
+        raise NotImplementedError
+
+    def read_stats(self) -> list[float]:
+        """The values accumulated since the last read (means over the training forwards), then cleared."""
+        raise NotImplementedError
+
+
 def collect_moe_stats(model_parts: Sequence[nn.Module],
                       reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Read (and clear) the step's statistics of the MoE layers these parts hold, averaged over the
@@ -376,10 +398,12 @@ def collect_moe_stats(model_parts: Sequence[nn.Module],
     coefficients), `moe/max_load` (the largest max/mean tokens-per-expert ratio over the layers; 1.0 is
     perfect balance, n_experts / top_k the worst), `moe/dropped` (dropped assignments per data-parallel
     rank, all layers) and per layer `moe/max_load/<layer>`; and each layer's load (mean assignments per
-    expert over the ranks), for `update_router_biases`. Empty for a dense model.
+    expert over the ranks), for `update_router_biases`. The values of `StepStatistics` modules (DeepSeek-V3's
+    `mtp/loss`) travel in the same reduction. Empty for a dense model without such modules.
     """
     layers = moe_layers(model_parts)
-    if not layers:
+    others = [module for part in model_parts for module in part.modules() if isinstance(module, StepStatistics)]
+    if not layers and not others:
         return {}, []
     rows = []
     for _, layer in layers:
@@ -388,9 +412,20 @@ def collect_moe_stats(model_parts: Sequence[nn.Module],
         rows.append(torch.cat([tokens, torch.tensor([layer.stat_dropped, layer.stat_aux / calls, layer.stat_z / calls],
                                                     dtype=torch.float64)]))
         layer.reset_stats()
-    device = layers[0][1].router.weight.device
-    reduced = reduce_mean(torch.stack(rows).to(device)).cpu()
+    extra = [torch.tensor(module.read_stats(), dtype=torch.float64) for module in others]
+    width = rows[0].numel() if rows else 0
+    device = next((t.device for part in model_parts for t in part.parameters()), torch.device("cpu"))
+    flat = torch.cat([*(row for row in rows), *extra]) if rows or extra else torch.zeros(0, dtype=torch.float64)
+    reduced_flat = reduce_mean(flat.to(device)).cpu()
+    reduced = reduced_flat[:width * len(rows)].view(len(rows), width)
     metrics: dict[str, float] = {}
+    offset = width * len(rows)
+    for module, values in zip(others, extra):
+        for name, value in zip(module.stat_names(), reduced_flat[offset:offset + values.numel()].tolist()):
+            metrics[name] = value
+        offset += values.numel()
+    if not layers:
+        return metrics, []
     loads: list[torch.Tensor] = []
     for (key, layer), row in zip(layers, reduced):
         load = row[:layer.n_experts]

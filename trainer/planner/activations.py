@@ -184,10 +184,10 @@ def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_paralle
     (the loss runs in fp32: `trainer.loss.cross_entropy_loss`)."""
     sb, h = s * b, inv.dim
     norm = [Saved("final norm input", sb * h, e, SP)]
-    if inv.family == "llama":
+    if inv.family != "gpt":  # RMSNorm keeps x*rstd and rstd (Llama, DeepSeek-V3)
         norm += [Saved("final norm x*rstd", sb * h, e, SP), Saved("final norm rstd", sb, 4, SP)]
     return norm + [
-        Saved("output head input", sb * h, e, FULL if inv.family == "llama" else SP),
+        Saved("output head input", sb * h, e, FULL if inv.family != "gpt" else SP),
         Saved("log-softmax (fp32)", sb * inv.vocab_size, 4, TP if loss_parallel else FULL),
     ]
 

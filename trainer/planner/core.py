@@ -231,6 +231,9 @@ def activation_formula(inv: ModelInventory, layout: Layout) -> str:
     else:
         base = ("Llama block with SDPA and SwiGLU: e*sb*(8h + 2h_kv + 4f) + 4abs + 8sb bytes per layer "
                 "(e = activation bytes), TP splits heads/ffn, SP splits norms")
+        if inv.family == "deepseek_v3":
+            base += (" (DeepSeek-V3: every block as an MoE block with f = (top_k + shared) x expert width, "
+                     "h_kv = heads x qk_head_dim; MLA's latents and the MTP module's activations not modelled)")
     schedule = layout.schedule if layout.pp > 1 else "(no pipeline)"
     cp = f"; s = {layout.local_seq_len} tokens per rank (cp={layout.cp})" if layout.cp > 1 else ""
     return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}{cp}"

@@ -183,6 +183,24 @@ def _rank_part(n_layers: int, pp: int, virtual: int, per_stage: tuple[int, ...] 
     return RankPart(layers=sum(held), first=0 in stages, last=(len(counts) - 1) in stages, stage_layers=held)
 
 
+def block_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[tuple[ParamSpec, int]]:
+    """(parameter, copies) of the transformer blocks a pipeline rank holds: with blocks of several kinds
+    (`layer_groups`), as many of each as its stages' layer ranges contain."""
+    part = rank_part(inv, layout, pp_rank)
+    if not inv.layer_groups:
+        return [(p, part.layers) for p in inv.layer]
+    counts = stage_layers(inv, layout)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    stages = [pp_rank + v * layout.pp for v in range(layout.virtual_stages)] if layout.pp > 1 else [0]
+    specs: list[tuple[ParamSpec, int]] = []
+    first = 0
+    for count, group in inv.layer_groups:
+        held = sum(max(0, min(first + count, starts[s] + counts[s]) - max(first, starts[s])) for s in stages)
+        specs += [(p, held) for p in group if held]
+        first += count
+    return specs
+
+
 def rank_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[tuple[ParamSpec, int]]:
     """(parameter, copies) held by a pipeline rank: its blocks' parameters and the first/last-stage ones.
 
@@ -190,11 +208,11 @@ def rank_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[
     strategy keeps the two in sync).
     """
     part = rank_part(inv, layout, pp_rank)
-    specs: list[tuple[ParamSpec, int]] = [(p, part.layers) for p in inv.layer]
+    specs = block_param_specs(inv, layout, pp_rank)
     if part.first:
         specs += [(p, 1) for p in inv.embedding]
     if part.last:
-        specs += [(p, 1) for p in inv.head]
+        specs += [(p, 1) for p in (*inv.head, *inv.mtp)]
         if inv.tied and not part.first:
             specs.append((ParamSpec("output.weight", (inv.vocab_size, inv.dim), 0, True), 1))
     return specs

@@ -1,7 +1,7 @@
 """Analytic parameter inventory of the model families: every weight's shape and how it is split.
 
-The planner never builds a model to count: it lists each parameter of the Llama and GPT blocks with its
-shape and its tensor-parallel split (the layout of `plugins/strategies/tensor_parallel.py`), so that the
+The planner never builds a model to count: it lists each parameter of the Llama, GPT and DeepSeek-V3 blocks
+with its shape and its tensor-parallel split (the layout of `plugins/strategies/tensor_parallel.py`), so that the
 bytes a rank holds follow from the parallel sizes alone, for any model size. Tests check the totals
 against the real modules (`CausalLM.num_params`) and against the published Llama parameter counts.
 """
@@ -52,7 +52,7 @@ class ParamSpec:
 class ModelInventory:
     """Every parameter of a model, grouped by where it lives, plus the sizes the other estimates need."""
 
-    family: str  # "llama" (Qwen3 too: the same block layout) or "gpt"
+    family: str  # "llama" (Qwen3 too: the same block layout), "gpt" or "deepseek_v3"
     n_layers: int
     dim: int
     n_heads: int
@@ -65,17 +65,45 @@ class ModelInventory:
     attn_impl: str
     dropout: float
     embedding: tuple[ParamSpec, ...]
-    layer: tuple[ParamSpec, ...]  # one transformer block (all blocks are alike)
+    layer: tuple[ParamSpec, ...]  # one transformer block (the most frequent kind when they differ)
     head: tuple[ParamSpec, ...]  # final norm, output head (empty head weight when tied)
     # Mixture of Experts (0: dense): routed experts per layer and experts per token.
     n_experts: int = 0
     top_k: int = 1
     # RMSNorm of each query and key head before RoPE (Qwen3): what it saves for the backward.
     qk_norm: bool = False
+    # Blocks of different kinds (DeepSeek-V3: first_k_dense_replace dense blocks, then MoE ones) as
+    # (count, specs) in layer order, counts summing to n_layers; empty: all n_layers blocks are `layer`.
+    layer_groups: tuple[tuple[int, tuple[ParamSpec, ...]], ...] = ()
+    # Multi-token-prediction modules (DeepSeek-V3), held with the head by the last stage; they reuse the
+    # embedding and the output head (one more head matmul per depth). `mtp_blocks` transformer blocks.
+    mtp: tuple[ParamSpec, ...] = ()
+    mtp_blocks: int = 0
+    # Whether num_params / num_active_params count `mtp` (memory always does: the weights are held).
+    count_mtp: bool = False
+    # Value width per head when it differs from the query/key width `head_dim` (MLA); 0: head_dim.
+    v_head_dim: int = 0
 
     @property
     def attention_dim(self) -> int:
         return self.n_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Per-head width of the values (= head_dim except for MLA)."""
+        return self.v_head_dim or self.head_dim
+
+    def blocks(self) -> tuple[tuple[int, tuple[ParamSpec, ...]], ...]:
+        """(count, specs) of every kind of block, in layer order."""
+        return self.layer_groups or ((self.n_layers, self.layer),)
+
+    @staticmethod
+    def _inactive(specs: tuple[ParamSpec, ...]) -> int:
+        return sum(p.numel - round(p.numel * p.active) for p in specs if p.expert)
+
+    @staticmethod
+    def _matmul(specs: tuple[ParamSpec, ...]) -> int:
+        return sum(round(p.numel * p.active) for p in specs if p.matmul)
 
     @property
     def kv_dim(self) -> int:
@@ -85,14 +113,15 @@ class ModelInventory:
         return sum(p.numel for p in self.layer)
 
     def num_params(self) -> int:
-        """All parameters, tied weights once (what `CausalLM.num_params()` counts)."""
-        return (sum(p.numel for p in self.embedding) + self.n_layers * self.layer_numel()
-                + sum(p.numel for p in self.head))
+        """All parameters, tied weights once (what `CausalLM.num_params()` counts; the MTP modules with
+        `count_mtp`)."""
+        return (sum(p.numel for p in self.embedding) + sum(n * sum(p.numel for p in specs) for n, specs in self.blocks())
+                + sum(p.numel for p in self.head) + (sum(p.numel for p in self.mtp) if self.count_mtp else 0))
 
     def num_active_params(self) -> int:
         """Parameters one token uses (`CausalLM.num_active_params`): top_k of n_experts routed experts."""
-        inactive = sum(p.numel - round(p.numel * p.active) for p in self.layer if p.expert)
-        return self.num_params() - self.n_layers * inactive
+        inactive = sum(n * self._inactive(specs) for n, specs in self.blocks())
+        return self.num_params() - inactive - (self._inactive(self.mtp) if self.count_mtp else 0)
 
     def layer_matmul_params(self) -> int:
         """Matmul weights one token multiplies with in one block (its top_k experts for an MoE)."""
@@ -104,21 +133,25 @@ class ModelInventory:
         head = sum(p.numel for p in self.head if p.matmul)
         if self.tied:
             head += self.vocab_size * self.dim
-        return self.n_layers * self.layer_matmul_params() + head
+        # each MTP depth multiplies with its own weights and the shared output head once more
+        mtp = self._matmul(self.mtp) + self.mtp_blocks * self.vocab_size * self.dim
+        return sum(n * self._matmul(specs) for n, specs in self.blocks()) + head + mtp
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, Narayanan et al. 2021's convention (as `CausalLM.flops_per_token`):
-        6 x matmul weights + 12 x layers x seq_len x attention width (QK^T and attention x V, forward
-        and backward, not halved for causality)."""
-        return 6 * self.num_matmul_params() + 12 * self.n_layers * seq_len * self.attention_dim
+        6 x matmul weights + 6 x blocks x seq_len x heads x (query/key + value width) (QK^T and attention
+        x V, forward and backward, not halved for causality; 12 x layers x seq_len x attention width when
+        the widths are equal)."""
+        blocks = self.n_layers + self.mtp_blocks
+        return 6 * self.num_matmul_params() + 6 * blocks * seq_len * self.n_heads * (self.head_dim + self.value_dim)
 
     def block_forward_flops_per_token(self, seq_len: int) -> int:
         """Forward FLOPs of one transformer block per token (what a full recompute runs again)."""
-        return 2 * self.layer_matmul_params() + 4 * seq_len * self.attention_dim
+        return 2 * self.layer_matmul_params() + self.attention_core_forward_flops_per_token(seq_len)
 
     def attention_core_forward_flops_per_token(self, seq_len: int) -> int:
         """Forward FLOPs of one block's attention core (QK^T and attention x V) per token."""
-        return 4 * seq_len * self.attention_dim
+        return 2 * seq_len * self.n_heads * (self.head_dim + self.value_dim)
 
 
 def _llama_inventory(cfg: Any) -> ModelInventory:
@@ -246,12 +279,72 @@ def _gpt_inventory(cfg: Any) -> ModelInventory:
     )
 
 
+def _deepseek_v3_block(cfg: Any, moe: bool) -> tuple[ParamSpec, ...]:
+    """One DeepSeek-V3 block (trainer/models/deepseek_v3): MLA, then a dense SwiGLU or DeepSeekMoE. No
+    tensor-parallel split (tp_dim None): DeepSeek-V3 refuses tp until it has a plan."""
+    h, heads, qk, v = cfg.dim, cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    specs = [ParamSpec("attention_norm.weight", (h,), None)]
+    if cfg.q_lora_rank is None:
+        specs.append(ParamSpec("attention.wq.weight", (heads * qk, h), None, True))
+    else:
+        specs += [ParamSpec("attention.wq_a.weight", (cfg.q_lora_rank, h), None, True),
+                  ParamSpec("attention.q_norm.weight", (cfg.q_lora_rank,), None),
+                  ParamSpec("attention.wq_b.weight", (heads * qk, cfg.q_lora_rank), None, True)]
+    specs += [ParamSpec("attention.wkv_a.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), None, True),
+              ParamSpec("attention.kv_norm.weight", (cfg.kv_lora_rank,), None),
+              ParamSpec("attention.wkv_b.weight", (heads * (cfg.qk_nope_head_dim + v), cfg.kv_lora_rank), None, True),
+              ParamSpec("attention.wo.weight", (h, heads * v), None, True),
+              ParamSpec("ffn_norm.weight", (h,), None)]
+    if not moe:
+        f = cfg.ffn_hidden_dim
+        return (*specs, ParamSpec("feed_forward.w1.weight", (f, h), None, True),
+                ParamSpec("feed_forward.w2.weight", (h, f), None, True),
+                ParamSpec("feed_forward.w3.weight", (f, h), None, True))
+    e, fe, shared, active = cfg.n_experts, cfg.moe_hidden_dim, cfg.n_shared_experts * cfg.moe_hidden_dim, cfg.top_k / cfg.n_experts
+    specs += [ParamSpec("feed_forward.router.weight", (e, h), None, True),
+              ParamSpec("feed_forward.experts.w1", (e, fe, h), None, True, True, active),
+              ParamSpec("feed_forward.experts.w2", (e, h, fe), None, True, True, active),
+              ParamSpec("feed_forward.experts.w3", (e, fe, h), None, True, True, active)]
+    if shared:
+        specs += [ParamSpec("feed_forward.shared_experts.w1.weight", (shared, h), None, True),
+                  ParamSpec("feed_forward.shared_experts.w2.weight", (h, shared), None, True),
+                  ParamSpec("feed_forward.shared_experts.w3.weight", (shared, h), None, True)]
+    return tuple(specs)
+
+
+def _deepseek_v3_inventory(cfg: Any) -> ModelInventory:
+    h, v = cfg.dim, cfg.vocab_size
+    dense, moe = _deepseek_v3_block(cfg, moe=False), _deepseek_v3_block(cfg, moe=True)
+    n_dense = cfg.first_k_dense_replace
+    groups = tuple((n, specs) for n, specs in ((n_dense, dense), (cfg.n_layers - n_dense, moe)) if n)
+    mtp: tuple[ParamSpec, ...] = ()
+    for k in range(cfg.mtp_depth):
+        prefix = f"mtp.{cfg.n_layers + k}."
+        mtp += (ParamSpec(prefix + "enorm.weight", (h,), None), ParamSpec(prefix + "hnorm.weight", (h,), None),
+                ParamSpec(prefix + "eh_proj.weight", (h, 2 * h), None, True),
+                *(ParamSpec(prefix + "block." + p.name, p.shape, p.tp_dim, p.matmul, p.expert, p.active) for p in moe),
+                ParamSpec(prefix + "norm.weight", (h,), None))
+    # The activation model sees an MoE block of these widths (a Llama-like block: MLA's latents are not
+    # modelled): SwiGLU width top_k x expert + shared, query/key width qk_head_dim per head.
+    ffn = cfg.top_k * cfg.moe_hidden_dim + cfg.n_shared_experts * cfg.moe_hidden_dim
+    return ModelInventory(
+        family="deepseek_v3", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
+        head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, ffn_dim=ffn, vocab_size=v, tied=False,
+        attn_impl="sdpa", dropout=0.0, embedding=(ParamSpec("tok_embeddings.weight", (v, h), None),),
+        layer=max(groups, key=lambda group: group[0])[1], head=(ParamSpec("norm.weight", (h,), None),
+                                                               ParamSpec("output.weight", (v, h), None, True)),
+        n_experts=cfg.n_experts, top_k=cfg.top_k, layer_groups=groups if len(groups) > 1 else (),
+        mtp=mtp, mtp_blocks=cfg.mtp_depth, count_mtp=cfg.count_mtp_params, v_head_dim=cfg.v_head_dim,
+    )
+
+
 def inventory(model_cfg: Any) -> ModelInventory:
-    """The inventory of a model config dataclass (`LlamaConfig`, `GPTConfig` or `Qwen3Config`).
+    """The inventory of a model config dataclass (`LlamaConfig`, `GPTConfig`, `Qwen3Config` or
+    `DeepSeekV3Config`).
 
     (This ladder is what the model-family contract replaces: a family will hand the planner its own
     inventory.)"""
-    from trainer.models import GPTConfig, LlamaConfig, Qwen3Config
+    from trainer.models import DeepSeekV3Config, GPTConfig, LlamaConfig, Qwen3Config
 
     if isinstance(model_cfg, LlamaConfig):
         return _llama_inventory(model_cfg)
@@ -259,4 +352,6 @@ def inventory(model_cfg: Any) -> ModelInventory:
         return _gpt_inventory(model_cfg)
     if isinstance(model_cfg, Qwen3Config):
         return _qwen3_inventory(model_cfg)
-    raise TypeError(f"the planner knows the llama, gpt and qwen3 families, not {type(model_cfg).__name__}")
+    if isinstance(model_cfg, DeepSeekV3Config):
+        return _deepseek_v3_inventory(model_cfg)
+    raise TypeError(f"the planner knows the llama, gpt, qwen3 and deepseek_v3 families, not {type(model_cfg).__name__}")

@@ -105,7 +105,8 @@ def format_table(result: Plan) -> str:
                          f"{c['time_s'] * 1e3:8.1f} ms  {where}")
     time = result.details["time"]
     lines.append(f"model FLOPs per token (Narayanan et al. 2021: 6 x matmul weights + 12 x layers x seq x attention "
-                 f"width): {result.flops_per_token:.4g}; per step {result.flops_per_step:.4g}")
+                 f"width; MLA: 6 x blocks x seq x heads x (qk + v head widths)): {result.flops_per_token:.4g}; "
+                 f"per step {result.flops_per_step:.4g}")
     lines.append(f"estimated step time {result.step_time_s:.3f} s = compute {time['compute_s']:.3f} + bubble "
                  f"{time['bubble_s']:.3f} + exposed communication {time['exposed_communication_s']:.3f} + optimizer "
                  f"{time['optimizer_s']:.3f} + offload {time['offload_s']:.3f} (matmuls at "

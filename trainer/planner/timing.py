@@ -51,7 +51,7 @@ def matmul_shapes(inv: ModelInventory, layout: Layout, coords: RankCoords) -> li
     width, after the tensor-parallel split (what `mode=plan plan.calibrate=true` times, with their two
     backward products, to measure `plan.matmul_efficiency` at the configuration's own sizes). A routed
     expert sees top_k / n_experts of the tokens (uniform routing)."""
-    from trainer.planner.memory import rank_part
+    from trainer.planner.memory import block_param_specs, rank_part
 
     tokens = layout.micro_batch_size * layout.local_seq_len
     part = rank_part(inv, layout, coords.pp)
@@ -66,13 +66,15 @@ def matmul_shapes(inv: ModelInventory, layout: Layout, coords: RankCoords) -> li
             key = (tokens, shape[-1], shape[0])
             shapes[key] = shapes.get(key, 0) + copies
 
-    for spec in inv.layer:
+    for spec, copies in block_param_specs(inv, layout, coords.pp):
         if spec.matmul:
-            add(spec.local_shape(layout.tp), spec.expert, part.layers)
+            add(spec.local_shape(layout.tp), spec.expert, copies)
     if part.last:
-        for spec in inv.head:
+        for spec in (*inv.head, *inv.mtp):
             if spec.matmul:
-                add(spec.local_shape(layout.tp), False, 1)
+                add(spec.local_shape(layout.tp), spec.expert, 1)
+        for _ in range(inv.mtp_blocks):  # each MTP depth runs the shared output head once more
+            add((inv.vocab_size // layout.tp, inv.dim), False, 1)
         if inv.tied:  # the head multiplies with the embedding's weight (vocab rows split under tp)
             add((inv.vocab_size // layout.tp, inv.dim), False, 1)
     return [(m, k, n, count) for (m, k, n), count in shapes.items()]
@@ -145,7 +147,7 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     # (forward, backward and a recomputed forward alike).
     core_forward = inv.attention_core_forward_flops_per_token(layout.seq_len)
     recomputed_cores = inv.n_layers if layout.checkpointing == "attention" else recomputed_layers(inv, layout)
-    attention_flops = (3 * inv.n_layers + recomputed_cores) * core_forward * tokens
+    attention_flops = (3 * (inv.n_layers + inv.mtp_blocks) + recomputed_cores) * core_forward * tokens
     attention_hw = attention_flops * (0.5 if causal_block_skipping(inv, layout, hardware.device_type) else 1.0)
     peak = hardware.peak_flops(layout.compute_dtype)
     compute = ((model_flops + recompute_flops - attention_flops) / (peak * matmul_efficiency)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from trainer.interfaces.hf_adapter import HFAdapter
 from trainer.models.qwen3.model import Qwen3Config
 
 _GLOBAL = {
@@ -55,17 +56,13 @@ _THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _THEIR_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class Qwen3HFAdapter:
-    """The Hugging Face side of the Qwen3 family (the `HFAdapter` protocol of `trainer.checkpoint.hf`)."""
+class Qwen3HFAdapter(HFAdapter):
+    """The Hugging Face side of the Qwen3 family (`trainer.interfaces.HFAdapter`)."""
 
     config_class = Qwen3Config
     model_types = ("qwen3", "qwen3_moe")
 
     # ---- config.json --------------------------------------------------------------------------------
-    def check(self, config: Qwen3Config) -> None:
-        """Every Qwen3Config has a transformers counterpart (nothing to refuse)."""
-        del config
-
     def hf_config(self, config: Qwen3Config, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """`config.json` of Qwen3ForCausalLM, or Qwen3MoeForCausalLM when the model has experts."""
         common: dict[str, Any] = {

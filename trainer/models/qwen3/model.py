@@ -271,9 +271,12 @@ class Qwen3MoE(MoE):
         # Set by `Qwen3.forward` for each forward (plain attribute: never in state dicts).
         self.balance_pool: Optional[PooledBalance] = None
 
-    def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int) -> torch.Tensor:
+    def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int, *,
+                     chosen: Optional[torch.Tensor] = None, seq_len: Optional[int] = None) -> torch.Tensor:
         """This layer's part of the pooled Qwen3-MoE loss; its forward value is the loss of this layer
-        alone, E * sum_e (c_e / T)(s_e / T), which is what `moe/aux_loss` logs (averaged over layers)."""
+        alone, E * sum_e (c_e / T)(s_e / T), which is what `moe/aux_loss` logs (averaged over layers).
+        (Batch-wise: the per-sequence `chosen` and `seq_len` are not used.)"""
+        del chosen, seq_len
         prob_sum = probs.sum(dim=0)
         counts = counts.detach().float()
         alone = self.n_experts * torch.sum(counts / tokens * prob_sum / tokens)

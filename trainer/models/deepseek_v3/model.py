@@ -1,0 +1,485 @@
+"""DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437): MLA attention, DeepSeekMoE feed-forwards after
+`first_k_dense_replace` dense ones, and multi-token prediction (MTP).
+
+The main model is transformers' `DeepseekV3ForCausalLM` (tested to the same logits with the same weights:
+tests/test_deepseek_v3.py); names follow torchtitan's DeepSeek-V3 (`hf_adapter.py` maps them to and from
+transformers'). Pieces reused from the framework: `nn.RMSNorm`, `apply_rope` (rotate-half RoPE; the
+published interleaved layout is de-interleaved in `mla.py`), the Llama `FeedForward` (SwiGLU) for the dense
+layers and the shared experts, and the MoE layer (`trainer/models/moe.py`: grouped experts, dispatch,
+expert parallelism, statistics, the auxiliary-loss-free bias update) with DeepSeek's router (`moe.py`).
+
+**Multi-token prediction** (Section 2.2). Depth k = 1..D has its own module (enorm, hnorm, eh_proj, one
+transformer block with an MoE feed-forward, and the output norm, DeepSeek's `shared_head.norm`) and shares
+the embedding and the output head with the main model:
+
+    h'_i^k = eh_proj([enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})])      (the published weights' order)
+    h_i^k  = norm_k(TRM_k(h'_i^k))                                  predicts t_{i+k+1} through the shared head
+    h^0    = the main model's final normalised hidden state (what its head reads)
+
+Each depth is thus fed the representation its predecessor's head reads (transformers' `MtpModel`, with
+its per-layer `post_norm`). During training forwards the loss lambda / D * sum_k CE_k is attached to the
+logits (`_AttachAuxLoss`): its gradient is the one a term added to the language-model loss would get,
+under every strategy's loss scaling and accumulation, without the loss path knowing about it. The model
+sees the input tokens only (the targets stay with the strategy), so depth k predicts t_{i+k+1} for the
+positions whose target is among the inputs: S - k - 1 of a window of S (the paper counts S - k, with the
+window's next token), and CE_k is the mean over those. Evaluation forwards skip MTP (the validation loss is
+the main model's). `mtp/loss` (mean over depths, before lambda) and `mtp/loss/<k>` are logged through
+`collect_moe_stats`'s `StepStatistics`.
+
+**Counts.** `num_params()` / `num_active_params()` follow the published convention by default (671B /
+37B without the 14B MTP module; `count_mtp_params` or `include_mtp=True` adds it; embedding and head are
+shared, so the MTP adds its own weights only: the published 14B also counts the checkpoint's copies of
+the embedding and head). FLOPs count what a training step runs, MTP included (`flops_per_token`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from trainer.loss import cross_entropy_loss
+from trainer.models.common import CausalLM, module_device, require_divisible, require_positive, unique_numel
+from trainer.models.deepseek_v3.mla import MultiHeadLatentAttention, compute_mla_rope_cache, softmax_scale
+from trainer.models.deepseek_v3.moe import DeepSeekMoE
+from trainer.models.llama import FeedForward
+from trainer.models.moe import MoE, StepStatistics, _AttachAuxLoss
+
+
+@dataclass
+class DeepSeekV3Config:
+    """Architecture of a DeepSeek-V3 model; the defaults are the published DeepSeek-V3 (671B) config.
+    Each field names its transformers `DeepseekV3Config` counterpart where the name differs."""
+
+    # Hydra target; `trainer.models.build_model` resolves the model class from it.
+    _target_: str = "trainer.models.DeepSeekV3"
+    # Human-readable model name (logs, checkpoint metadata).
+    name: str = "deepseek_v3"
+    # Vocabulary size (vocab_size): rows of the embedding and of the output head.
+    vocab_size: int = 129280
+    # Residual stream width (hidden_size).
+    dim: int = 7168
+    # Transformer blocks of the main model (num_hidden_layers); the MTP blocks come on top.
+    n_layers: int = 61
+    # Attention heads (num_attention_heads); MLA gives each head its own keys and values.
+    n_heads: int = 128
+    # Rank of the query compression (q_lora_rank); None: full-rank queries (`wq`, DeepSeek-V2-Lite).
+    q_lora_rank: Optional[int] = 1536
+    # Rank of the key/value latent c_kv (kv_lora_rank), what an inference cache stores per token.
+    kv_lora_rank: int = 512
+    # Per-head query/key width without position encoding (qk_nope_head_dim).
+    qk_nope_head_dim: int = 128
+    # Per-head width of the rotary (decoupled) query part and of the key part shared by all heads.
+    qk_rope_head_dim: int = 64
+    # Per-head value width (v_head_dim).
+    v_head_dim: int = 128
+    # SwiGLU width of the dense feed-forward layers (intermediate_size).
+    ffn_hidden_dim: int = 18432
+    # The first this many blocks have a dense feed-forward, the others DeepSeekMoE (first_k_dense_replace).
+    first_k_dense_replace: int = 3
+    # Routed experts per MoE layer (n_routed_experts).
+    n_experts: int = 256
+    # Routed experts per token (num_experts_per_tok).
+    top_k: int = 8
+    # Shared experts every token goes through (n_shared_experts), one SwiGLU of n_shared x moe_hidden_dim.
+    n_shared_experts: int = 1
+    # SwiGLU width of one routed or shared expert (moe_intermediate_size).
+    moe_hidden_dim: int = 2048
+    # Expert groups for node-limited routing (n_group); 1: no group stage.
+    n_group: int = 8
+    # Groups a token's experts may come from (topk_group), chosen by the sum of each group's 2 best scores.
+    topk_group: int = 4
+    # Renormalise the chosen sigmoid affinities to sum to 1 (norm_topk_prob).
+    norm_topk_prob: bool = True
+    # Multiplies the routed experts' gates (routed_scaling_factor).
+    routed_scaling_factor: float = 2.5
+    # Auxiliary-loss-free balancing: each expert's selection bias (e_score_correction_bias) moves by this
+    # much per optimizer step towards the mean load; the paper's gamma, 0.001 (0.0 for its last 500B tokens).
+    router_bias_update_rate: float = 0.001
+    # Weight alpha of the sequence-wise balance loss (the paper: 0.0001); 0 = off, only logged (moe/aux_loss).
+    seq_aux_loss_coef: float = 0.0
+    # Multiply each expert's tokens with torch's grouped matmul where it applies (else one matmul per expert).
+    moe_grouped_mm: bool = True
+    # Multi-token prediction depth D (num_nextn_predict_layers); 0: no MTP module.
+    mtp_depth: int = 1
+    # Weight lambda of the MTP loss (the paper: 0.3 for the first 10T tokens, then 0.1); must be > 0 with
+    # mtp_depth > 0 (unused MTP weights would get no gradient: set mtp_depth=0 instead).
+    mtp_loss_weight: float = 0.3
+    # Whether num_params / num_active_params count the MTP modules. False: the published convention
+    # (671B total, 37B active; transformers' DeepseekV3ForCausalLM has no MTP layer either).
+    count_mtp_params: bool = False
+    # Epsilon of the block and final RMSNorms (rms_norm_eps); the q/kv latent norms use 1e-6 (mla.py).
+    norm_eps: float = 1e-6
+    # RoPE base (rope_theta).
+    rope_theta: float = 10000.0
+    # The published rotary weights pair neighbouring channels (rope_interleave); False: rotate-half pairs.
+    rope_interleave: bool = True
+    # Longest sequence (max_position_embeddings); sizes the RoPE table (not saved).
+    max_seq_len: int = 163840
+    # YaRN context extension (rope_scaling type yarn) by this factor; 1.0 = plain RoPE.
+    yarn_factor: float = 40.0
+    # YaRN: the context length the model was pre-trained at (original_max_position_embeddings).
+    yarn_original_max_seq_len: int = 4096
+    # YaRN: rotations bounding the interpolation ramp (beta_fast, beta_slow).
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    # YaRN: temperature factors (mscale, mscale_all_dim; 0 = unset, as transformers reads them).
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 1.0
+    # Std of the normal init of every weight (the paper: 0.006).
+    init_std: float = 0.006
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` on inconsistent shapes or options."""
+        for field in ("vocab_size", "dim", "n_layers", "n_heads", "kv_lora_rank", "qk_nope_head_dim",
+                      "qk_rope_head_dim", "v_head_dim", "ffn_hidden_dim", "n_experts", "top_k", "moe_hidden_dim",
+                      "n_group", "topk_group", "max_seq_len", "yarn_original_max_seq_len"):
+            require_positive(getattr(self, field), f"model.{field}")
+        if self.q_lora_rank is not None:
+            require_positive(self.q_lora_rank, "model.q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"RoPE needs an even model.qk_rope_head_dim, got {self.qk_rope_head_dim}")
+        if not 0 <= self.first_k_dense_replace <= self.n_layers:
+            raise ValueError(f"model.first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers]")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"model.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        require_divisible(self.n_experts, self.n_group, "model.n_experts must be divisible by model.n_group")
+        per_group = self.n_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"group-limited routing scores a group by its 2 best experts: model.n_experts / "
+                             f"model.n_group = {per_group} must be >= 2")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"model.topk_group={self.topk_group} must be between 1 and model.n_group={self.n_group}")
+        if not 1 <= self.top_k <= self.topk_group * per_group:
+            raise ValueError(f"model.top_k={self.top_k} must be between 1 and the experts of topk_group groups "
+                             f"({self.topk_group} x {per_group})")
+        for name in ("routed_scaling_factor", "router_bias_update_rate", "seq_aux_loss_coef", "mtp_loss_weight",
+                     "norm_eps", "rope_theta", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+                     "yarn_mscale_all_dim", "init_std"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {value}")
+        if self.routed_scaling_factor <= 0 or self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("model.routed_scaling_factor, rope_theta and norm_eps must be positive")
+        if self.mtp_depth < 0:
+            raise ValueError(f"model.mtp_depth must be >= 0, got {self.mtp_depth}")
+        if self.mtp_depth and self.mtp_loss_weight <= 0:
+            raise ValueError("model.mtp_loss_weight must be > 0 with model.mtp_depth > 0 (its weights would get "
+                             "no gradient): set model.mtp_depth=0 to train without multi-token prediction")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: qk_nope_head_dim + qk_rope_head_dim (192 for DeepSeek-V3)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """DeepSeek-V3's head is its own weight (the MTP modules share it, and the embedding)."""
+        return False
+
+    @property
+    def yarn(self) -> bool:
+        """Whether RoPE is YaRN-scaled."""
+        return self.yarn_factor > 1
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale^2 when scaled (transformers' `yarn_apply_mscale`)."""
+        return softmax_scale(self.qk_head_dim, self.yarn_factor, self.yarn_mscale_all_dim)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether main-model block `index` has a DeepSeekMoE feed-forward (MTP blocks always do)."""
+        return index >= self.first_k_dense_replace
+
+    def unsupported_parallelism(self, *, tp: int, pp: int, cp: int, ep: int) -> Optional[tuple[str, str]]:
+        """(config key, why) for a parallel layout this model cannot run yet, else None.
+
+        Data-parallel strategies (ddp, zero1/2/3, fsdp) need nothing from a model family; the others do,
+        and the model-family contract (issue 28: TP plan, pipeline split, expert layers) brings it."""
+        why = {
+            "tp": "tensor parallelism has no plan for multi-head latent attention (wq_a/wq_b/wkv_a/wkv_b) yet",
+            "pp": "pipeline parallelism cannot split DeepSeek-V3 yet (its MTP module needs the embedding and "
+                  "the main model's last hidden states on one stage)",
+            "cp": "context parallelism is not built for DeepSeek-V3 (MLA's attention core and MTP's shifted "
+                  "tokens across sequence shards)",
+            "ep": "expert parallelism is not wired for DeepSeek-V3's MoE layers (the MTP block's experts) yet",
+        }
+        for key, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+            if size > 1:
+                return key, (f"{key}={size} with model {self.name}: {why[key]} (DeepSeek-V3 runs with "
+                             "strategy=single, ddp, zero1, zero2, zero3 or fsdp)")
+        return None
+
+
+class DeepSeekV3Block(nn.Module):
+    """Pre-norm block ``x + mla(norm(x))`` then ``h + ffn(norm(h))``, with a dense SwiGLU or DeepSeekMoE."""
+
+    def __init__(self, config: DeepSeekV3Config, moe: bool) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = MultiHeadLatentAttention(
+            config.dim, config.n_heads, config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
+            config.qk_rope_head_dim, config.v_head_dim, config.softmax_scale, config.rope_interleave)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward: nn.Module
+        if moe:
+            shared = (FeedForward(config.dim, config.moe_hidden_dim * config.n_shared_experts)
+                      if config.n_shared_experts else None)
+            self.feed_forward = DeepSeekMoE(
+                config.dim, config.moe_hidden_dim, config.n_experts, config.top_k, shared_experts=shared,
+                n_group=config.n_group, topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
+                routed_scaling_factor=config.routed_scaling_factor,
+                bias_update_rate=config.router_bias_update_rate, seq_aux_loss_coef=config.seq_aux_loss_coef,
+                grouped_mm=config.moe_grouped_mm)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, doc_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std)
+        self.feed_forward.init_weights(std, std)  # one std for every weight (the paper)
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth: ``norm(block(eh_proj([enorm(emb); hnorm(h)])))`` (model docstring).
+    Names are those of DeepSeek's checkpoint (`model.layers.<n_layers + k - 1>.enorm` ...)."""
+
+    def __init__(self, config: DeepSeekV3Config) -> None:
+        super().__init__()
+        self.enorm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.hnorm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.eh_proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.block = DeepSeekV3Block(config, moe=True)  # DeepSeek-V3's MTP block is an MoE layer
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)  # the checkpoint's shared_head.norm
+
+    def forward(self, embeddings: torch.Tensor, previous: torch.Tensor, rope_cache: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.eh_proj(torch.cat((self.enorm(embeddings), self.hnorm(previous)), dim=-1))
+        return self.norm(self.block(h, rope_cache, doc_ids))
+
+    def init_weights(self, std: float) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.reset_parameters()
+        nn.init.normal_(self.eh_proj.weight, mean=0.0, std=std)
+        self.block.init_weights(std)
+
+
+class MultiTokenPrediction(nn.ModuleDict, StepStatistics):
+    """The D MTP depths, keyed by their layer index in DeepSeek's numbering (n_layers, n_layers + 1, ...:
+    the MoE statistics of their blocks are logged under those keys), and the step's MTP losses."""
+
+    def __init__(self, config: DeepSeekV3Config) -> None:
+        super().__init__({str(config.n_layers + k): MTPModule(config) for k in range(config.mtp_depth)})
+        self.reset_losses()
+
+    def reset_losses(self) -> None:
+        self.loss_sums = [0.0] * len(self)
+        self.loss_calls = 0
+
+    def record(self, losses: list[torch.Tensor]) -> None:
+        """Add one training forward's per-depth losses (skipped inside autograd's backward: an
+        activation-checkpointing recompute repeats a forward already counted)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for depth, loss in enumerate(losses):
+            self.loss_sums[depth] += float(loss.detach())
+        self.loss_calls += 1
+
+    def stat_names(self) -> list[str]:
+        if not len(self):
+            return []
+        return ["mtp/loss", *(f"mtp/loss/{k}" for k in range(1, len(self) + 1))]
+
+    def read_stats(self) -> list[float]:
+        if not len(self):
+            return []
+        calls = max(self.loss_calls, 1)
+        per_depth = [total / calls for total in self.loss_sums]
+        self.reset_losses()
+        return [sum(per_depth) / max(len(per_depth), 1), *per_depth]
+
+
+class DeepSeekV3(CausalLM):
+    """DeepSeek-V3 returning the main model's logits ``[B, S, vocab_size]``; in training forwards the MTP
+    loss reaches the gradients through the logits (see the module docstring)."""
+
+    def __init__(self, config: DeepSeekV3Config) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): DeepSeekV3Block(config, moe=config.is_moe_layer(i)) for i in range(config.n_layers)})
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(config)
+        # Derived from the config, so kept out of checkpoints; empty on the meta device until init_weights.
+        self.register_buffer("rope_cache", self._compute_rope_cache(None), persistent=False)
+
+    # ---- RoPE ----------------------------------------------------------------------------------------
+    def _compute_rope_cache(self, device: torch.device | str | None) -> torch.Tensor:
+        cfg = self.config
+        factor = cfg.yarn_factor if cfg.yarn else 1.0
+        return compute_mla_rope_cache(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta, factor,
+                                      cfg.yarn_original_max_seq_len, cfg.yarn_beta_fast, cfg.yarn_beta_slow,
+                                      cfg.yarn_mscale, cfg.yarn_mscale_all_dim, device=device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DeepSeekV3:
+        super()._apply(fn, recurse)
+        # .to(bf16) would round cos/sin to ~3 digits: rebuild the table in fp32 (a meta table stays empty).
+        cache = self.rope_cache
+        if cache.dtype != torch.float32 and not cache.is_meta:
+            with torch.no_grad():
+                self.rope_cache = self._compute_rope_cache(cache.device)
+        return self
+
+    def _rope(self, seq_len: int, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
+        if doc_ids is not None:  # positions restart at each document: [B, S, 2 x rope dim]
+            return self.rope_cache[self.document_positions(doc_ids)]
+        return self.rope_cache[:seq_len]
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def hidden_states(self, tokens: torch.Tensor,
+                      doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token embeddings, final normalised hidden states), both ``[B, S, dim]``."""
+        embeddings = self.tok_embeddings(tokens)
+        rope_cache = self._rope(tokens.shape[1], doc_ids)
+        h = embeddings
+        for layer in self.layers.values():
+            h = layer(h, rope_cache, doc_ids)
+        return embeddings, self.norm(h)
+
+    def mtp_hidden_states(self, embeddings: torch.Tensor, hidden: torch.Tensor,
+                          doc_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Each MTP depth's normalised representation; depth k (1-based) is ``[B, S - k - 1, dim]``, its
+        position i predicting token i + k + 1 of the window."""
+        seq_len = embeddings.shape[1]
+        outputs: list[torch.Tensor] = []
+        previous = hidden
+        for depth, module in enumerate(self.mtp.values(), start=1):
+            length = seq_len - depth - 1
+            if length <= 0:
+                break
+            ids = doc_ids[:, :length] if doc_ids is not None else None
+            previous = module(embeddings[:, depth:depth + length], previous[:, :length], self._rope(length, ids), ids)
+            outputs.append(previous)
+        return outputs
+
+    def mtp_logits(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Each MTP depth's logits through the shared head (depth k: ``[B, S - k - 1, vocab]``)."""
+        embeddings, hidden = self.hidden_states(tokens, doc_ids)
+        return [self.output(h) for h in self.mtp_hidden_states(embeddings, hidden, doc_ids)]
+
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids ``[B, S]`` (``doc_ids`` ``[B, S]``: attention within documents, positions restarting)."""
+        embeddings, hidden = self.hidden_states(tokens, doc_ids)
+        logits = self.output(hidden)
+        if len(self.mtp) and self.training and torch.is_grad_enabled():
+            losses = [cross_entropy_loss(self.output(h), tokens[:, depth + 1:depth + 1 + h.shape[1]])
+                      for depth, h in enumerate(self.mtp_hidden_states(embeddings, hidden, doc_ids), start=1)]
+            if losses:
+                self.mtp.record(losses)
+                weighted = self.config.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
+                logits = _AttachAuxLoss.apply(logits, weighted)
+        return logits
+
+    # ---- accounting ----------------------------------------------------------------------------------
+    def _attention_dim(self) -> int:
+        """Width of the attention output (``n_heads * v_head_dim``, what wo reads)."""
+        return self.config.n_heads * self.config.v_head_dim
+
+    def _counts_mtp(self, include_mtp: Optional[bool]) -> bool:
+        return self.config.count_mtp_params if include_mtp is None else include_mtp
+
+    def num_params(self, exclude_embeddings: bool = False, include_mtp: Optional[bool] = None) -> int:
+        """Parameters held; the MTP modules only with ``include_mtp`` (default: ``config.count_mtp_params``,
+        off: the published 671B). The embedding and head the MTP shares count once."""
+        excluded: set[int] = set()
+        if exclude_embeddings:
+            excluded |= {id(p) for p in self.tok_embeddings.parameters()}
+        if not self._counts_mtp(include_mtp):
+            excluded |= {id(p) for p in self.mtp.parameters()}
+        return unique_numel(p for p in self.parameters() if id(p) not in excluded)
+
+    @staticmethod
+    def _inactive_experts(modules: Any) -> int:
+        total = 0
+        for module in modules:
+            if isinstance(module, MoE):
+                experts = sum(p.numel() for p in module.experts.parameters())
+                total += experts - experts * module.top_k // module.n_experts
+        return total
+
+    def num_active_params(self, include_mtp: Optional[bool] = None) -> int:
+        """Parameters one token uses: everything but the routed experts it is not sent to (embedding, head,
+        attention, dense layers, shared experts, routers and norms count; top_k of n_experts experts): about
+        37.6B of DeepSeek-V3's 671B. MTP as for `num_params`."""
+        include = self._counts_mtp(include_mtp)
+        inactive = self._inactive_experts(self.layers.modules())
+        if include:
+            inactive += self._inactive_experts(self.mtp.modules())
+        return self.num_params(include_mtp=include) - inactive
+
+    @staticmethod
+    def _matmul_params(module: nn.Module) -> int:
+        total = 0
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                total += sub.weight.numel()
+            elif isinstance(sub, MoE):
+                experts = sum(p.numel() for p in sub.experts.parameters())
+                total += experts * sub.top_k // sub.n_experts
+        return total
+
+    def num_matmul_params(self) -> int:
+        """Weights one token multiplies with in a training forward: every Linear of the main model (routers
+        included), top_k of n_experts routed experts, and per MTP depth its own matmuls plus the shared
+        output head once more."""
+        main = self._matmul_params(self.layers) + self.output.weight.numel()
+        mtp = sum(self._matmul_params(module) + self.output.weight.numel() for module in self.mtp.values())
+        return main + mtp
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward = 3 x forward, Narayanan et al. 2021's convention):
+
+            6 * num_matmul_params()
+          + 6 * (n_layers + mtp_depth) * seq_len * n_heads * (qk_head_dim + v_head_dim)
+
+        the second term being QK^T (width qk_head_dim = 192) and attention x V (v_head_dim = 128) per head,
+        not halved for causality, for the main blocks and the MTP blocks alike. MTP depths are counted at
+        the full sequence length (they run on S - k - 1 positions). Elementwise work is ignored."""
+        require_positive(seq_len, "seq_len")
+        cfg = self.config
+        blocks = len(self.layers) + len(self.mtp)
+        return 6 * self.num_matmul_params() + 6 * blocks * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+
+    # ---- init ----------------------------------------------------------------------------------------
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize every weight from torch's global RNG (normal(0, init_std), norms 1, selection
+        biases 0) and the RoPE table; works after ``to_empty``, in a fixed draw order."""
+        std = self.config.init_std
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std)
+        self.norm.reset_parameters()
+        nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        for module in self.mtp.values():
+            module.init_weights(std)
+        self.mtp.reset_losses()
+        device = module_device(self) if buffer_device is None else torch.device(buffer_device)
+        with torch.no_grad():
+            self.rope_cache = self._compute_rope_cache(device)
