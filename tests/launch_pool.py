@@ -150,4 +150,6 @@ POOL = LaunchPool(Path(tempfile.gettempdir()) / f"trainer-launches-{os.getpid()}
 
 
 def remove_pool() -> None:
-    shutil.rmtree(POOL.root, ignore_errors=True)
+    """At the session's end; `TRAINER_TEST_KEEP_LAUNCHES=1` keeps the directory (to read the runs' logs)."""
+    if os.environ.get("TRAINER_TEST_KEEP_LAUNCHES") != "1":
+        shutil.rmtree(POOL.root, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Checkpoints: exact resume per strategy, resharding resume, faults (killed ranks, killed saves, damaged
 files), retention policies and safe loading.
 
-Exact resume compares STEPS = 40 steps straight with HALF = 20 steps + a resume for the other 20 (the
+Exact resume compares STEPS = 12 steps straight with HALF = 6 steps + a resume for the other 6 (the
 issue's numbers). Multi-process runs are batched into three launches: 4 processes (zero3 exact resume;
 the zero3 checkpoint resumed under 3d tp=2 x dp=2 with ZeRO-1, which then saves for a single-process
 resume), 2 processes (ddp stopped by SIGTERM on one rank, zero1 with asynchronous saves and pp exact
@@ -43,7 +43,7 @@ from trainer.run import build_trainer
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
 # STEPS steps of 8 sequences x 32 tokens, every loss logged; validation at HALF and at the end.
-STEPS, HALF = 40, 20
+STEPS, HALF = 12, 6
 LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
         f"trainer.val_every={HALF}", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=200000",
         "trainer.peak_flops=1e12", "trainer.num_threads=1", "callbacks=none"]

@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def test_devices_2_launches_workers_in_one_run_dir_and_only_rank0_speaks(tmp_path: Path) -> None:
     result = trainer_cli("strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}",
-                         f"+callbacks.pids._target_=tests.helpers.RecordPid", f"+callbacks.pids.directory={tmp_path}")
+                         "+callbacks.pids._target_=tests.helpers.RecordPid", f"+callbacks.pids.directory={tmp_path}")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert out.count("step 4/4 |") == 1  # printed by rank 0 only

@@ -21,6 +21,8 @@ from trainer.models import build_meta_model, build_model
 from trainer.models.llama import LlamaConfig
 from trainer.models.moe import MoE, aux_loss_grad_scale_set, collect_moe_stats, update_router_biases
 from tests.launch_pool import POOL
+# imported at collection: the module registers its runs with the launch pool when it is first imported
+from tests.test_stabilizer import StandIn, stabilizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -212,8 +214,10 @@ def test_moe_config_round_trips_through_dataclasses() -> None:
 # ---- expert parallelism and composition: parity with one process (batched gloo launches) -----------------
 MOE = ["model=tiny_moe", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
        "model.n_experts=4", "model.moe_hidden_dim=32", "model.n_shared_experts=1", "model.router_z_loss_coef=0.001"]
-LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps=20", "trainer.log_every=1",
-        "trainer.val_every=10", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=1000000",
+# 8 steps (validation at 4 and 8): a wrong route, shard or reduction moves the loss from the first step
+STEPS = 8
+LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+        "trainer.val_every=4", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=1000000",
         "callbacks=none"]
 # name: (overrides, processes, micro-batch). The aux loss is a per-micro-batch statistic, so each run is
 # compared with the single process of the same micro-batch size (the same global batch).
@@ -235,8 +239,9 @@ PARITY = {
     # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
     "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
 }
-# Exact resume: 40 steps straight (saving at 20) vs a run resumed from step 20, both ep=2.
-RESUME_STEPS = ["trainer.max_steps=40", "trainer.val_every=20"]
+# Exact resume: 12 steps straight (saving at 6) vs a run resumed from step 6, both ep=2.
+RESUME_AT, RESUME_END = 6, 12
+RESUME_STEPS = [f"trainer.max_steps={RESUME_END}", f"trainer.val_every={RESUME_AT}"]
 EP2 = ["strategy=ddp", "ep=2", "trainer.devices=2", "trainer.micro_batch_size=8"]
 
 
@@ -253,10 +258,10 @@ for _nproc in (2, 4):
                                                                     f"trainer.micro_batch_size={micro}"]}
               for name, (strategy, procs, micro) in PARITY.items() if procs == _nproc]
     if _nproc == 2:
-        _saved = _OUT / "np2" / "ep2-straight" / "checkpoints" / "step_00000020"
+        _saved = _OUT / "np2" / "ep2-straight" / "checkpoints" / f"step_{RESUME_AT:08d}"
         _batch += [
             {"name": "ep2-straight", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [
-                "callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=20"]},
+                "callbacks=[checkpoint]", f"callbacks.checkpoint.every_n_steps={RESUME_AT}"]},
             {"name": "ep2-resumed", "overrides": MOE + LOOP + RESUME_STEPS + EP2 + [f"resume={_saved}"]},
         ]
     POOL.add("moe", _nproc, _batch)
@@ -278,11 +283,11 @@ def moe_runs() -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_moe_parallelism_matches_the_single_process_run(moe_runs: Path, name: str) -> None:
-    """20 dropless steps: per-step losses, gradient norms, aux losses and validation losses within rtol 1e-4,
+    """STEPS dropless steps: per-step losses, gradient norms, aux losses and validation losses within rtol 1e-4,
     and the final weights (experts gathered from their ep ranks)."""
     _, nproc, micro = PARITY[name]
     run_dir, single = moe_runs / f"np{nproc}" / name, moe_runs / f"single{micro}"
-    assert len(_metric(single, "train_loss")) == 20
+    assert len(_metric(single, "train_loss")) == STEPS
     for metric in ("train_loss", "grad_norm", "val_loss"):
         assert _metric(run_dir, metric) == pytest.approx(_metric(single, metric), rel=1e-4), metric
     # MoE metrics: rank 0 logs those of the layers it holds (under pp, the first stage's: layers 0 and 1)
@@ -303,14 +308,15 @@ def test_ep2_resumes_exactly_and_reshards_onto_one_process(moe_runs: Path, tmp_p
 
     straight = _metric(moe_runs / "np2" / "ep2-straight", "train_loss")
     resumed = _metric(moe_runs / "np2" / "ep2-resumed", "train_loss")
-    assert sorted(resumed) == list(range(21, 41))
-    assert [resumed[s] for s in range(21, 41)] == [straight[s] for s in range(21, 41)]  # bitwise
-    saved = moe_runs / "np2" / "ep2-straight" / "checkpoints" / "step_00000020"
+    after = range(RESUME_AT + 1, RESUME_END + 1)
+    assert sorted(resumed) == list(after)
+    assert [resumed[s] for s in after] == [straight[s] for s in after]  # bitwise
+    saved = moe_runs / "np2" / "ep2-straight" / "checkpoints" / f"step_{RESUME_AT:08d}"
     trainer = build_trainer(compose(MOE + LOOP + RESUME_STEPS + ["trainer.micro_batch_size=8", f"resume={saved}"]),
                             tmp_path)
-    assert trainer.step == 20
+    assert trainer.step == RESUME_AT
     trainer.fit()
-    assert _metric(tmp_path, "train_loss") == pytest.approx({s: straight[s] for s in range(21, 41)}, rel=1e-4)
+    assert _metric(tmp_path, "train_loss") == pytest.approx({s: straight[s] for s in after}, rel=1e-4)
 
 
 # ---- Hugging Face Mixtral --------------------------------------------------------------------------------
@@ -406,8 +412,6 @@ def test_the_planner_search_considers_expert_parallelism() -> None:
 
 
 def test_the_stabilizer_can_watch_the_aux_loss(tmp_path: Path) -> None:
-    from tests.test_stabilizer import StandIn, stabilizer
-
     trainer, stab = StandIn(tmp_path), stabilizer(actions=["skip"], aux_loss_ratio=1.5)
     stab.on_fit_start(trainer)  # type: ignore[arg-type]
 

@@ -20,9 +20,10 @@ from trainer.run import build_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
-# 20 steps of 16 sequences x 32 tokens; val and logging every step's loss.
-LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max_steps=20", "trainer.log_every=1",
-        "trainer.val_every=10", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=1000000",
+# STEPS steps of 16 sequences x 32 tokens; val at the middle and the end, every step's loss logged.
+STEPS = 10
+LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+        f"trainer.val_every={STEPS // 2}", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=1000000",
         "callbacks=none"]
 # (name, strategy overrides, processes); micro-batch = 16 / (2 x dp) gives accumulation 2 everywhere
 STRATEGIES = {
@@ -90,7 +91,7 @@ PARAMS = [(nproc, name) for nproc, names in STRATEGIES.items() for name in names
 def test_losses_and_weights_match_single_process(runs: Path, nproc: int, name: str) -> None:
     run_dir = runs / f"np{nproc}" / name
     expected = losses(runs / "single")
-    assert len(expected) == 20
+    assert len(expected) == STEPS
     assert losses(run_dir) == pytest.approx(expected, rel=1e-5)
     # Adam hides a constant gradient scale from the losses; the global norm does not
     assert losses(run_dir, "grad_norm") == pytest.approx(losses(runs / "single", "grad_norm"), rel=1e-5)
@@ -111,7 +112,7 @@ def test_zero3_reduces_once_per_step_when_it_fits_or_when_asked(runs: Path) -> N
     every = json.loads((runs / "np2" / "zero3_reduce_per_microbatch" / "summary.json").read_text())
     once = json.loads((runs / "np2" / "zero3_reduce_per_step" / "summary.json").read_text())
     auto = json.loads((runs / "np2" / "zero3" / "summary.json").read_text())
-    units, steps = every["fsdp_units"], 20
+    units, steps = every["fsdp_units"], STEPS
     assert units == once["fsdp_units"] == 3  # 2 blocks and the root
     assert every["collective_calls"]["all_reduce@dp_shard"] == units * 2 * steps
     assert once["collective_calls"]["all_reduce@dp_shard"] == units * steps
@@ -161,7 +162,7 @@ def test_compressed_gradients_train_close_to_exact(runs: Path) -> None:
     exact = losses(runs / "single")
     for name in sorted(COMPRESSED):
         compressed = losses(runs / "np2" / name)
-        assert len(compressed) == 20 and compressed[-1] < compressed[0] - 0.5, (name, compressed)
+        assert len(compressed) == STEPS and compressed[-1] < compressed[0] - 0.5, (name, compressed)
         assert compressed != exact, f"{name}: the hook did not change the gradients"
         # same data, same init: the curves stay close (PowerSGD rank 1 is the coarser approximation)
         gap = max(abs(a - b) / b for a, b in zip(compressed, exact, strict=True))

@@ -1,7 +1,7 @@
 """3D parallelism on 8 gloo processes: parity with the single-process run for every data-parallel flavour
 (ddp, zero1, shard_grad_op, zero3 and fsdp at pp=2 x dp=2 x tp=2; hybrid_shard, which needs dp >= 4, at
 pp=2 x dp=4 as 2 replicas x 2 shards) and for GPT blocks under an interleaved schedule, and exact resume
-(40 steps straight = 20 + a resume for 20, bitwise), all in one 8-process launch."""
+(12 steps straight = 6 + a resume for 6, bitwise), all in one 8-process launch."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ MODEL = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_head
 GPT = ["model=gpt2_small", "model.vocab_size=256", "model.max_seq_len=32", "model.dim=64", "model.n_layers=4",
        "model.n_heads=4", "model.ffn_hidden_dim=128", "model.dropout=0.0"]
 INTERLEAVED = ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"]
-# 10 steps of 16 sequences; micro-batch 4 on dp=2 gives 2 pipeline micro-batches = 2 stages.
-LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.max_steps=10",
-        "trainer.log_every=1", "trainer.val_every=5", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
+# STEPS steps of 16 sequences; micro-batch 4 on dp=2 gives 2 pipeline micro-batches = 2 stages.
+STEPS = 6
+LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.micro_batch_size=4", f"trainer.max_steps={STEPS}",
+        "trainer.log_every=1", f"trainer.val_every={STEPS // 2}", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
         "data.max_bytes=1000000", "callbacks=none"]
 FLAVOURS = ["ddp", "zero1", "shard_grad_op", "zero3", "fsdp"]
 THREE_D_8 = ["strategy=3d", "tp=2", "pp=2", "trainer.devices=8"]
@@ -68,7 +69,7 @@ def runs() -> Path:
 def test_3d_matches_single_process(runs: Path, name: str) -> None:
     run_dir = runs / "np8" / name
     single = runs / ("single_gpt" if name.startswith("gpt") else "single")
-    assert len(column(single, "train_loss")) == 10
+    assert len(column(single, "train_loss")) == STEPS
     assert column(run_dir, "train_loss") == pytest.approx(column(single, "train_loss"), rel=1e-4)
     assert column(run_dir, "grad_norm") == pytest.approx(column(single, "grad_norm"), rel=1e-4)
     assert column(run_dir, "val_loss") == pytest.approx(column(single, "val_loss"), rel=1e-4)
@@ -87,9 +88,9 @@ def test_3d_reduces_gradients_once_per_step(runs: Path, flavour: str) -> None:
     summary = json.loads((runs / "np8" / flavour / "summary.json").read_text())
     reductions = sum(n for key, n in summary["collective_calls"].items() if key.startswith("all_reduce@dp"))
     assert summary["fsdp_units"] == 3  # stage 0: 2 blocks and the root (the embedding)
-    assert reductions == summary["fsdp_units"] * 10
+    assert reductions == summary["fsdp_units"] * STEPS
 
 
 def test_3d_exact_resume_gives_the_same_losses(runs: Path) -> None:
-    """pp=2 x dp=2 x tp=2: 40 steps straight vs 20, a save, and a resume for 20 more."""
+    """pp=2 x dp=2 x tp=2: 12 steps straight vs 6, a save, and a resume for 6 more (tests/test_checkpoint.py)."""
     assert_exact_resume(runs / "np8", "3d")
