@@ -474,26 +474,27 @@ def test_bad_options_are_config_errors(override: str, message: str) -> None:
         validate(compose(["model=deepseek_v3_tiny", override]))
 
 
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 _PARALLEL_RUN = [a for a in RUN if not a.startswith(("trainer.micro_batch_size", "trainer.num_threads"))] + [
     "trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.num_threads=1"]
 POOL.add("deepseek_v3", 2, [{"name": strategy, "overrides": [f"strategy={strategy}", "trainer.devices=2", *_PARALLEL_RUN]}
-                            for strategy in ("ddp", "zero1", "zero3")])
+                            for strategy in DATA_PARALLEL])
 
 
 @pytest.mark.slow
 def test_data_parallel_strategies_reproduce_the_single_process_run(tmp_path: Path) -> None:
-    """ddp, zero1 and zero3 on 2 gloo processes: the same losses, gradient norms and MTP losses as one process
-    (measured: equal to 1e-6 relative over 4 steps; selection biases stay replicated since the loads are
-    averaged over the ranks before the update)."""
+    """ddp, zero1, zero2, zero3 and fsdp on 2 gloo processes: the same losses, gradient norms and MTP losses
+    as one process (measured: equal to 1e-6 relative over 4 steps; selection biases stay replicated since
+    the loads are averaged over the ranks before the update)."""
     from trainer.run import build_trainer
 
     launched = POOL.ensure(2, "deepseek_v3") / "np2"
     build_trainer(compose(_PARALLEL_RUN), tmp_path / "single").fit()
     rows = {}
-    for strategy, run_dir in (("single", tmp_path / "single"), *((s, launched / s) for s in ("ddp", "zero1", "zero3"))):
+    for strategy, run_dir in (("single", tmp_path / "single"), *((s, launched / s) for s in DATA_PARALLEL)):
         with open(run_dir / "metrics.csv") as f:
             rows[strategy] = [float(r[key]) for r in csv.DictReader(f) if r.get("train_loss")
                               for key in ("train_loss", "grad_norm", "mtp/loss")]
     assert len(rows["single"]) == 3 * 4
-    for strategy in ("ddp", "zero1", "zero3"):
+    for strategy in DATA_PARALLEL:
         assert rows[strategy] == pytest.approx(rows["single"], rel=1e-5), strategy

@@ -56,6 +56,8 @@ TINY_RUN = [f"trainer.max_steps={STEPS}", "trainer.seq_len=32", "trainer.log_eve
 TINY_MODEL = {  # the command's model family, shrunk (GPT stays GPT)
     "llama": ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"],
     "gpt": ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_hidden_dim=128", "model.vocab_size=256"],
+    # the tiny config is already CPU-sized: one dense layer, then one MoE layer (and its MTP depth)
+    "deepseek_v3": ["model.n_layers=2"],
 }
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 COMMAND_START = re.compile(r"^(python|pip|torchrun|srun|trainer)( |$)")
@@ -238,8 +240,9 @@ def adapt(args: list[str], notes: list[str]) -> list[str]:
 
 
 def model_family(args: list[str]) -> str:
-    """llama or gpt: the schema of the model config the command picks, read from conf/ and recipes/ as Hydra
-    would find it (composing every command would cost seconds)."""
+    """llama (Qwen3 too: the same shrinking options), gpt or deepseek_v3: the schema of the model config the
+    command picks, read from conf/ and recipes/ as Hydra would find it (composing every command would cost
+    seconds)."""
     choice = value_of(args, "model")
     recipe = value_of(args, "recipe")
     if choice is None and recipe is not None:
@@ -249,7 +252,8 @@ def model_family(args: list[str]) -> str:
         found = re.search(r"- model: (\w+)", (REPO / "conf" / "config.yaml").read_text())
         assert found is not None
         choice = found.group(1)
-    return "gpt" if "gpt_schema" in (REPO / "conf" / "model" / f"{choice}.yaml").read_text() else "llama"
+    text = (REPO / "conf" / "model" / f"{choice}.yaml").read_text()
+    return next((family for family in ("gpt", "deepseek_v3") if f"{family}_schema" in text), "llama")
 
 
 def tiny(args: list[str]) -> list[str]:

@@ -379,8 +379,12 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
     names = {key: adapter.hf_name("tok_embeddings.weight" if key == "output.weight" and theirs.tie_embeddings else key)
              for key in ours if key not in stacked and not adapter.skipped(key)}
     available = _tensor_names(directory)
+    # optional weights the directory lacks keep their initialization (e.g. DeepSeek-V3's MTP module, which
+    # transformers' save_pretrained does not write)
     absent = [key for key, hf_name in names.items() if hf_name not in available and adapter.optional(key)]
-    if absent:  # e.g. DeepSeek-V3's MTP module, which transformers' save_pretrained does not write
+    absent += [key for key, hf_names in stacked.items() if adapter.optional(key)
+               and not any(name in available for name in hf_names) and _fused_expert_name(hf_names[0]) not in available]
+    if absent:
         log.warning(f"{directory} has no weights for {len(absent)} tensors (e.g. {absent[0]}): they keep their "
                     "initialization")
     template = {hf_name: ours[key] for key, hf_name in names.items() if key not in absent}
@@ -388,12 +392,8 @@ def load_hf_weights(trainer: "Trainer", directory: Path | str) -> None:
         dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
                  no_dist=no_dist)
     loaded = {key: template[hf_name] for key, hf_name in names.items() if key not in absent}
-    for key, hf_names in stacked.items():
-        if adapter.optional(key) and not any(name in available for name in hf_names) \
-                and _fused_expert_name(hf_names[0]) not in available:
-            absent.append(key)
-        else:
-            loaded[key] = _read_stacked(directory, key, hf_names, ours[key])
+    loaded.update({key: _read_stacked(directory, key, hf_names, ours[key]) for key, hf_names in stacked.items()
+                   if key not in absent})
     loaded.update({key: value for key, value in ours.items() if adapter.skipped(key) or key in absent})
     load_model_state(trainer.model_parts, loaded)
 
