@@ -88,6 +88,19 @@ class StreamDropout(nn.Dropout):
             return super().forward(input)
 
 
+def matmul_params(root: nn.Module) -> int:
+    """Weights one token multiplies with under `root`: every ``nn.Linear`` weight, and the top_k of
+    n_experts routed-expert weights of each MoE layer."""
+    total = 0
+    for module in root.modules():
+        if isinstance(module, nn.Linear):
+            total += module.weight.numel()
+        elif isinstance(module, MoE):
+            experts = sum(p.numel() for p in module.experts.parameters())
+            total += experts * module.top_k // module.n_experts
+    return total
+
+
 class CausalLM(nn.Module):
     """Base class of the decoder-only language models: parameter and FLOP accounting.
 
@@ -166,14 +179,7 @@ class CausalLM(nn.Module):
         The output head counts even when tied to the embedding (it is still a matmul);
         biases, norms and embedding lookups do not.
         """
-        total = 0
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                total += module.weight.numel()
-            elif isinstance(module, MoE):
-                experts = sum(p.numel() for p in module.experts.parameters())
-                total += experts * module.top_k // module.n_experts
-        return total
+        return matmul_params(self)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward) at sequence length ``seq_len``.

@@ -420,8 +420,9 @@ def collect_moe_stats(model_parts: Sequence[nn.Module],
     reduced = reduced_flat[:width * len(rows)].view(len(rows), width)
     metrics: dict[str, float] = {}
     offset = width * len(rows)
-    for module, values in zip(others, extra):
-        for name, value in zip(module.stat_names(), reduced_flat[offset:offset + values.numel()].tolist()):
+    for module, values in zip(others, extra, strict=True):
+        read_back = reduced_flat[offset:offset + values.numel()].tolist()
+        for name, value in zip(module.stat_names(), read_back, strict=True):
             metrics[name] = value
         offset += values.numel()
     if not layers:

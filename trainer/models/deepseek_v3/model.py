@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from trainer.loss import cross_entropy_loss
-from trainer.models.common import CausalLM, module_device, require_divisible, require_positive, unique_numel
+from trainer.models.common import (CausalLM, matmul_params, module_device, require_divisible, require_positive,
+                                   unique_numel)
 from trainer.models.deepseek_v3.mla import MultiHeadLatentAttention, compute_mla_rope_cache, softmax_scale
 from trainer.models.deepseek_v3.moe import DeepSeekMoE
 from trainer.models.llama import FeedForward
@@ -434,23 +435,12 @@ class DeepSeekV3(CausalLM):
             inactive += self._inactive_experts(self.mtp.modules())
         return self.num_params(include_mtp=include) - inactive
 
-    @staticmethod
-    def _matmul_params(module: nn.Module) -> int:
-        total = 0
-        for sub in module.modules():
-            if isinstance(sub, nn.Linear):
-                total += sub.weight.numel()
-            elif isinstance(sub, MoE):
-                experts = sum(p.numel() for p in sub.experts.parameters())
-                total += experts * sub.top_k // sub.n_experts
-        return total
-
     def num_matmul_params(self) -> int:
         """Weights one token multiplies with in a training forward: every Linear of the main model (routers
         included), top_k of n_experts routed experts, and per MTP depth its own matmuls plus the shared
         output head once more."""
-        main = self._matmul_params(self.layers) + self.output.weight.numel()
-        mtp = sum(self._matmul_params(module) + self.output.weight.numel() for module in self.mtp.values())
+        main = matmul_params(self.layers) + self.output.weight.numel()
+        mtp = sum(matmul_params(module) + self.output.weight.numel() for module in self.mtp.values())
         return main + mtp
 
     def flops_per_token(self, seq_len: int) -> int:
