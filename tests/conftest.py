@@ -1,11 +1,16 @@
-"""Fixtures every test module gets."""
+"""Fixtures every test module gets, and the order the session runs its modules in."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+
+# Tests that need the machine to themselves (trainer.hang_timeout_s of a few seconds, straggler timings):
+# they run last, after the shared launches have ended (their fixtures call POOL.wait_all()).
+QUIET_MODULES = ("test_hang.py",)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -17,8 +22,40 @@ def _keep_thread_count() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` / `-k` have deselected
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that read the shared launches (tests/launch_pool.py) run after the others, which run
+    while the launches do; the quiet ones last."""
+    from tests.launch_pool import POOL
+
+    pooled = {f"test_{batch.module}.py" for batch in POOL.batches}
+
+    def rank(item: pytest.Item) -> int:
+        name = Path(str(item.fspath)).name
+        return 2 if name in QUIET_MODULES else 1 if name in pooled and _multi_process(item) else 0
+
+    items.sort(key=rank)  # stable: each group keeps the collection order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared launches of the selected modules in the background (not for --collect-only)."""
+    if session.config.option.collectonly or not session.items:
+        return
+    from tests.launch_pool import POOL
+
+    selected = {Path(str(item.fspath)).stem.removeprefix("test_") for item in session.items if _multi_process(item)}
+    POOL.start(selected & {batch.module for batch in POOL.batches})
+
+
+def _multi_process(item: pytest.Item) -> bool:
+    """Tests that read the shared launches are multi-process, so `slow` (a fast one would still get them,
+    from `POOL.ensure`, just not in the background)."""
+    return item.get_closest_marker("slow") is not None
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The session's shared launches (tests/launch_pool.py) wrote into one temporary directory."""
-    from tests.launch_pool import remove_pool
+    from tests.launch_pool import POOL, remove_pool
 
+    POOL.stop()  # a session that ended early (-x, an interrupt) leaves no launch running
     remove_pool()

@@ -11,6 +11,12 @@ another layout) are registered with `stage=1`: every stage-0 launch runs before 
 A launch that fails (a run raised, a rank died) is not the end of the others' runs: the run that was in
 progress is recorded as failed with the launch's output, and the runs after it are launched again. A
 module whose runs failed gets the recorded output from `ensure`.
+
+The launches keep both cores busy, the single-process tests about one (process starts, Python), so once
+the session's tests are collected (tests/conftest.py) `start` launches, in a thread, everything the selected
+modules registered while the other modules' tests run; the modules that read the launches run last, and
+`ensure` waits for the launches it needs. A test that must have the machine to itself (timeouts of a few
+seconds) waits for every launch with `wait_all`.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,6 +48,7 @@ class Batch:
     runs: list[dict[str, Any]]
     prepare: Optional[Callable[[], None]] = None  # writes what the runs read (data files), before the launch
     failures: dict[str, str] = field(default_factory=dict)  # run name -> the launch's output
+    launched: bool = False
 
 
 class LaunchPool:
@@ -49,6 +58,12 @@ class LaunchPool:
         self.root = root
         self.batches: list[Batch] = []
         self.launched: set[tuple[int, int]] = set()  # (stage, world)
+        self.modules: set[str] | None = None  # the modules whose runs launch (None: all registered)
+        self._lock = threading.Lock()  # one launch at a time: the background thread's or a test's
+        self._errors: dict[tuple[int, int], BaseException] = {}  # a launch's machinery failed (a prepare)
+        self._background: threading.Thread | None = None
+        self._process: subprocess.Popen[str] | None = None  # the launch running now
+        self._stopped = False
 
     def directory(self, module: str) -> Path:
         """Where a module's runs write: `<root>/<module>/np<world>/<name>`."""
@@ -71,35 +86,84 @@ class LaunchPool:
             prepare))
         return self.directory(module)
 
+    def start(self, modules: set[str]) -> None:
+        """Launch, in a background thread and in `ensure`'s order, every run `modules` registered."""
+        self.modules = modules
+        order = [key for key in self._order() if self._batches(*key)]
+        if order:
+            self._background = threading.Thread(target=self._launch_all, args=(order,), name="launch-pool",
+                                                daemon=True)
+            self._background.start()
+
+    def wait_all(self) -> None:
+        """Wait for the background launches (a test that needs the machine to itself)."""
+        if self._background is not None:
+            self._background.join()
+
+    def stop(self) -> None:
+        """End the running launch and launch nothing more (the session is over)."""
+        self._stopped = True
+        process = self._process
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        self.wait_all()
+
+    def _order(self) -> list[tuple[int, int]]:
+        return sorted({(b.stage, b.world) for b in self.batches})
+
+    def _batches(self, stage: int, world: int, module: str | None = None) -> list[Batch]:
+        """The batches of a launch still to run: of the selected modules, and `module`'s."""
+        return [b for b in self.batches if (b.stage, b.world) == (stage, world) and not b.launched
+                and (self.modules is None or b.module in self.modules or b.module == module)]
+
+    def _launch_all(self, order: list[tuple[int, int]]) -> None:
+        for stage, world in order:
+            try:
+                self._launch(world, stage)
+            except BaseException as error:  # noqa: BLE001 - handed to the tests that need this launch
+                self._errors[(stage, world)] = error
+
     def ensure(self, world: int, module: str, stage: int = 0) -> Path:
         """Launch (once) everything registered for `world` processes at `stage`, after every earlier stage,
         and fail if one of `module`'s runs there failed. Returns `module`'s directory."""
-        for earlier in sorted({b.stage for b in self.batches if b.stage < stage}):
-            for other in sorted({b.world for b in self.batches if b.stage == earlier}):
-                self._launch(other, earlier)
-        self._launch(world, stage)
-        failed = {name: output for batch in self.batches
-                  if (batch.module, batch.world, batch.stage) == (module, world, stage)
-                  for name, output in batch.failures.items()}
+        failed = self.wait(world, module, stage)
         if failed:
             name, output = next(iter(failed.items()))
             raise AssertionError(f"{module}: run(s) {sorted(failed)} of the {world}-process launch failed; "
                                  f"the launch's output while '{name}' ran:\n{output}")
         return self.directory(module)
 
-    def _launch(self, world: int, stage: int) -> None:
-        if (stage, world) in self.launched:
-            return
-        if not self.launched:  # the session's first launch: a directory of an earlier process's pid goes
-            shutil.rmtree(self.root, ignore_errors=True)
-        self.launched.add((stage, world))
-        batches = [b for b in self.batches if (b.world, b.stage) == (world, stage)]
+    def wait(self, world: int, module: str, stage: int = 0) -> dict[str, str]:
+        """`ensure` without failing: the launch's output for each of `module`'s runs there that failed."""
+        for earlier, other in self._order():
+            if earlier < stage:
+                self._launch(other, earlier)
+        self._launch(world, stage, module)
+        if (stage, world) in self._errors:
+            raise self._errors[(stage, world)]
+        return {name: output for batch in self.batches
+                if (batch.module, batch.world, batch.stage) == (module, world, stage)
+                for name, output in batch.failures.items()}
+
+    def _launch(self, world: int, stage: int, module: str | None = None) -> None:
+        with self._lock:
+            batches = self._batches(stage, world, module)
+            if not batches:
+                return
+            if not self.launched:  # the session's first launch: a directory of an earlier process's pid goes
+                shutil.rmtree(self.root, ignore_errors=True)
+            self.launched.add((stage, world))
+            for batch in batches:
+                batch.launched = True
+            self._run_batches(world, stage, batches)
+
+    def _run_batches(self, world: int, stage: int, batches: list[Batch]) -> None:
         for batch in batches:
             if batch.prepare is not None:
                 batch.prepare()
         pending = [(batch, run) for batch in batches for run in batch.runs]
         attempt = 0
-        while pending:
+        while pending and not self._stopped:
             output, done = self._torchrun(world, stage, attempt, [run for _, run in pending])
             if done == len(pending):
                 return
@@ -115,15 +179,19 @@ class LaunchPool:
         spec.parent.mkdir(parents=True, exist_ok=True)
         spec.write_text(json.dumps({"out": str(self.root / f"logs_np{world}_stage{stage}_{attempt}"),
                                     "runs": runs}))
+        # its own session: `stop` ends torchrun and its workers together
+        self._process = process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+             str(HARNESS), str(spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         try:
-            result = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                 str(HARNESS), str(spec)],
-                capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                timeout=LAUNCH_TIMEOUT_S)
-            output = result.stdout[-3000:] + result.stderr[-6000:]
-        except subprocess.TimeoutExpired as timeout:
-            output = f"timed out after {LAUNCH_TIMEOUT_S} s\n{timeout.stderr or ''}"[-6000:]
+            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+            output = stdout[-3000:] + stderr[-6000:]
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            output = f"timed out after {LAUNCH_TIMEOUT_S} s\n{stderr}"[-6000:]
         done = 0
         while done < len(runs) and (Path(runs[done]["dir"]) / "summary.json").exists():
             done += 1

@@ -245,7 +245,7 @@ def test_cli_error_is_one_line_without_traceback_and_starts_nothing(tmp_path: Pa
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "trainer", "tp=4", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True, text=True, cwd=REPO, timeout=600,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: tp: tp=4 needs tensor parallelism: pick strategy=tp or "

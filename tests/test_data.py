@@ -42,7 +42,7 @@ DOCS = [
 def run_prepare(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "trainer.data.prepare", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.launch_pool import POOL
 from trainer.commcheck import format_table
 from trainer.config import ConfigError, compose, validate
 from trainer.diagnosis import diagnose, format_ranks
@@ -154,6 +155,7 @@ def test_check_table_shows_the_slowest_group_of_each_dimension() -> None:
 # ---- 4-process jobs with injected faults ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    POOL.wait_all()  # 10 s hang timeouts and straggler timings: not next to the session's other launches
     out = tmp_path_factory.mktemp("hang")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     running = {}

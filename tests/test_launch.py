@@ -21,7 +21,7 @@ SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def trainer_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def trainer_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "trainer", *SMALL, *args], capture_output=True, text=True,
                           cwd=cwd, env=ENV, timeout=timeout)
 
@@ -54,7 +54,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path: Path) -> None:
     # A hang (the other rank waiting forever in a collective) fails through the subprocess timeout.
     result = trainer_cli("strategy=ddp", "trainer.devices=2", "trainer.max_steps=50", f"hydra.run.dir={tmp_path}",
                          "+callbacks.fail._target_=tests.helpers.FailOnRank", "+callbacks.fail.rank=1",
-                         "+callbacks.fail.step=2", timeout=180)
+                         "+callbacks.fail.step=2", timeout=600)
     assert result.returncode == 1
     out = result.stdout + result.stderr
     assert "rank 1 failed" in out and "injected failure on rank 1 at step 2" in out, out[-3000:]
@@ -66,7 +66,7 @@ def test_torchrun_workers_join_and_share_one_run_dir(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
          *SMALL, "strategy=zero3", "trainer.devices=2"],
-        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=300,
+        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summaries = list((tmp_path / "outputs").rglob("summary.json"))
@@ -87,7 +87,7 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
                f"trainer.rdzv_endpoint={endpoint}", "trainer.rdzv_id=two-node-test", f"hydra.run.dir={tmp_path}"]
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                               env=ENV) for _ in range(2)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -105,7 +105,7 @@ def test_srun_tasks_join_as_one_job(tmp_path: Path) -> None:
                "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         tasks.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       cwd=REPO, env=env))
-    outputs = [task.communicate(timeout=300)[0] for task in tasks]
+    outputs = [task.communicate(timeout=600)[0] for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 2
     assert not any("launching" in o for o in outputs)  # joined, did not launch

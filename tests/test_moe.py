@@ -194,14 +194,14 @@ def test_statistics_skip_evaluation_and_are_cleared_when_read() -> None:
 ])
 def test_bad_moe_options_are_one_line_and_exit_2(override: str, message: str) -> None:
     result = subprocess.run([sys.executable, "-m", "trainer", "model=tiny_moe", override],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_moe_options_on_a_model_family_without_them_are_refused() -> None:
     result = subprocess.run([sys.executable, "-m", "trainer", "model=gpt2_small", "model.n_experts=8"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 2, result.stderr
     assert "n_experts" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 

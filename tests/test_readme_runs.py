@@ -9,7 +9,8 @@ fails `test_every_readme_command_has_a_tiny_run` until it is taught here. Where 
   error examples) and `python -m trainer.sweep | .plot | .checkpoint.hf | .data.prepare`, in this
   process through the module's entry point as `python -m` runs it (runpy): a process start costs seconds
   on the 2-core machine, this costs only what the command itself does;
-- harness: multi-process commands, one torchrun launch of tests/distributed_harness.py per world size;
+- harness: multi-process commands, in the session's shared launches (tests/launch_pool.py) when they read
+  nothing an earlier command wrote, else in a torchrun launch of tests/distributed_harness.py of their own;
 - subprocess: the quick-start `python -m trainer`, for real (Hydra's default outputs/DATE/TIME), and
   `mode=check` (its launched workers measure their groups' bandwidth; nothing trains);
 - ELSEWHERE: commands another test already runs with tiny settings, pointed at; that test must exist and
@@ -45,6 +46,8 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+
+from tests.launch_pool import POOL
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -307,6 +310,34 @@ def plans() -> dict[str, Plan]:
     return {command.text: plan_of(command, command.text == quick_start) for command in commands}
 
 
+# Overrides whose values are what an earlier command of the README wrote (a checkpoint, an export, data).
+READS_EARLIER = ("resume", "init_from", "data.path", "data.sources")
+
+
+def pooled(plan: Plan) -> bool:
+    """A multi-process command that reads nothing an earlier command wrote: it runs in the shared launches."""
+    return plan.how == "harness" and not any(
+        arg.split("=", 1)[0] in (*READS_EARLIER, "hydra.run.dir") or "DATE/TIME" in arg for arg in plan.args)
+
+
+def slug(index: int) -> str:
+    return f"c{index:02d}"
+
+
+def _register_pooled_runs() -> None:
+    try:
+        all_plans = plans()
+    except ValueError:  # a command without a tiny run: test_every_readme_command_has_a_tiny_run says which
+        return
+    by_world: dict[int, list[dict[str, Any]]] = {}
+    for index, command in enumerate(readme_commands()):
+        plan = all_plans[command.text]
+        if pooled(plan):
+            by_world.setdefault(plan.world, []).append({"name": slug(index), "overrides": user_overrides(plan.args)})
+    for world, runs in by_world.items():
+        POOL.add("readme_runs", world, runs)
+
+
 # ---- running ---------------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -387,13 +418,15 @@ class Runner:
             if plan.how in ("not_run", "elsewhere"):
                 continue
             try:
-                self.run_one(f"c{index:02d}", command, plan, outcome)
+                self.run_one(slug(index), command, plan, outcome)
                 if plan.how != "harness":
                     self.record(outcome)
             except Exception as error:  # noqa: BLE001 - recorded, reported by the command's own test
                 outcome.error = f"{type(error).__name__}: {error}"
         for world, runs in sorted(self.harness.items()):
             self.launch(world, runs)
+        for world in sorted({outcome.plan.world for outcome in self.outcomes.values() if pooled(outcome.plan)}):
+            self.read_pooled(world)
         return self.outcomes
 
     @staticmethod
@@ -454,6 +487,9 @@ class Runner:
         if outcome.resumed_from is not None:  # 2 more steps after the checkpoint's 2
             outcome.steps = 2 * STEPS
             args = [*args, f"trainer.max_steps={outcome.steps}"]
+        if pooled(plan):  # already running, or run, in the session's shared launch of its world size
+            outcome.run_dirs = [POOL.directory("readme_runs") / f"np{plan.world}" / slug]
+            return
         if plan.how == "harness":  # the harness runs in the repository: paths made absolute
             overrides = [f"resume={self.cwd / arg.split('=', 1)[1]}" if arg.startswith("resume=") else arg
                          for arg in user_overrides(args)]
@@ -514,6 +550,19 @@ class Runner:
             self.record(self.outcomes[text])
 
 
+    def read_pooled(self, world: int) -> None:
+        failed = POOL.wait(world, "readme_runs")
+        for outcome in self.outcomes.values():
+            if pooled(outcome.plan) and outcome.plan.world == world:
+                (run_dir,) = outcome.run_dirs
+                if run_dir.name in failed:
+                    outcome.error = f"the {world}-process launch failed: {failed[run_dir.name][-3000:]}"
+                    continue
+                outcome.code = 0
+                outcome.out = (run_dir / "train.log").read_text()
+                self.record(outcome)
+
+
 def text_key(args: list[str]) -> str | None:
     return args[args.index("--text-key") + 1] if "--text-key" in args else None
 
@@ -537,6 +586,9 @@ def write_documents(path: Path, key: str) -> None:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({key: docs}), path)
+
+
+_register_pooled_runs()
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def test_cli_run_prints_progress_and_summary_path(tmp_path: Path) -> None:
 def test_console_script_is_installed() -> None:
     exe = shutil.which("trainer")
     assert exe is not None, "pip install -e . should put `trainer` on PATH"
-    result = subprocess.run([exe, "--cfg", "job"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([exe, "--cfg", "job"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "model:" in result.stdout
 
 
