@@ -19,7 +19,8 @@ from trainer.planner import plan
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 EXPECTED = {"llama2_7b_finetune_4xa100", "llama3_8b_8xh100", "llama2_70b_64xh100", "llama3_70b_64xh100",
             "budget_10b_2xrtx3090", "gpt3_175b_256xa100", "llama3_405b_1024xh100", "tiny_3d_cpu",
-            "llama3_8b_128k_64xh100", "mixtral_8x7b_64xh100"}
+            "llama3_8b_128k_64xh100", "mixtral_8x7b_64xh100", "qwen3_8b_8xh100", "qwen3_235b_a22b_128xh100",
+            "deepseek_v3_671b_256xh100"}
 # What a plan needs besides the recipe: the fine-tune reads no weights to plan.
 PLAN_EXTRA = {"llama2_7b_finetune_4xa100": ["init_from=null"]}
 
@@ -77,6 +78,15 @@ def test_planner_says_each_recipe_fits_its_target_hardware(name: str) -> None:
 TINY_LLAMA = ["model=tiny", "model.name=tiny", "model.n_kv_heads=2"]
 # Mixtral stays a Mixture of Experts (8 experts, top-2), shrunk like the others.
 TINY_MOE = ["model=tiny_moe", "model.name=tiny_moe", "model.n_kv_heads=2", "model.moe_hidden_dim=32"]
+# Qwen3 stays Qwen3 (q/k norms, its own head width), the MoE one with its 8 experts, top-2, shrunk like the others.
+TINY_QWEN3 = ["model=qwen3_tiny", "model.name=qwen3_tiny", "model.n_kv_heads=2", "model.head_dim=16"]
+TINY_QWEN3_MOE = ["model=qwen3_moe_tiny", "model.name=qwen3_moe_tiny", "model.n_kv_heads=2", "model.head_dim=16",
+                  "model.moe_hidden_dim=32"]
+# DeepSeek-V3 stays DeepSeek-V3 (latent attention, a dense first layer, sigmoid-routed experts, MTP), at the
+# tiny config's latent widths.
+TINY_DEEPSEEK_V3 = ["model=deepseek_v3_tiny", "model.name=deepseek_v3_tiny", "model.q_lora_rank=32",
+                    "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+                    "model.v_head_dim=16", "model.moe_hidden_dim=32", "model.max_seq_len=16"]
 # GPT-3 stays GPT (fused head-major qkv, biases, learned positions, dropout 0.1), shrunk in place.
 TINY_GPT = ["model.name=tiny_gpt", "model.max_seq_len=16"]
 TINY = ["model.n_layers=4", "model.vocab_size=256", "model.dim=64", "model.n_heads=4",
@@ -92,13 +102,15 @@ SCALED = {
     "tiny_3d_cpu": ["tp=1", "pp=2"],  # 1F1B
     "llama3_8b_128k_64xh100": ["tp=1", "cp=2"],  # ring attention over 2 ranks, FSDP over the cp ranks
     "mixtral_8x7b_64xh100": ["ep=2"],  # experts split over the 2 ranks, zero3 for the rest
+    "qwen3_235b_a22b_128xh100": ["ep=2"],
+    "deepseek_v3_671b_256xh100": ["ep=2"],  # the MTP module's experts too
 }
+TINY_MODELS = {"gpt": TINY_GPT, "mixtral": TINY_MOE, "qwen3_235b": TINY_QWEN3_MOE, "qwen3": TINY_QWEN3,
+               "deepseek_v3": TINY_DEEPSEEK_V3}
 
 
 def _tiny_model(name: str) -> list[str]:
-    if name.startswith("gpt"):
-        return TINY_GPT
-    return TINY_MOE if name.startswith("mixtral") else TINY_LLAMA
+    return next((tiny for prefix, tiny in TINY_MODELS.items() if name.startswith(prefix)), TINY_LLAMA)
 
 
 POOL.add("recipes", 2, [{"name": name, "overrides": [f"recipe={name}", *_tiny_model(name), *TINY,

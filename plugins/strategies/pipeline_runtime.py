@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import MicroBatch

@@ -230,15 +230,13 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
 
 def _validate_model_family(cfg: DictConfig, model_cfg: Any) -> None:
     """What a model family cannot do yet. (The model-family contract will ask the family itself; until
-    then Qwen3 and DeepSeek-V3 state their limits in `unsupported_parallelism`: Qwen3 no tp/pp/cp and a
-    planner that models every layer alike, DeepSeek-V3 data parallelism only.)"""
+    then Qwen3 and DeepSeek-V3 state their limits in `unsupported_parallelism`: no tp/pp/cp for either
+    (data and expert parallelism only), and for Qwen3 a planner that models every layer alike.)"""
     from trainer.models.deepseek_v3 import DeepSeekV3Config
     from trainer.models.qwen3 import Qwen3Config
 
     if isinstance(model_cfg, DeepSeekV3Config):
-        ep = cfg.get("ep", 1)
-        deepseek_problem = model_cfg.unsupported_parallelism(tp=int(cfg.tp), pp=int(cfg.pp), cp=int(cfg.cp),
-                                                             ep=ep if isinstance(ep, int) else 1)
+        deepseek_problem = model_cfg.unsupported_parallelism(tp=int(cfg.tp), pp=int(cfg.pp), cp=int(cfg.cp))
         if deepseek_problem is not None:
             raise ConfigError(*deepseek_problem)
         return
