@@ -25,17 +25,19 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.collectives import enable_flight_recorder, flight_recorder_entries, group_names  # noqa: E402
+from trainer.collectives import (DEFAULT_FR_ENTRIES, enable_flight_recorder, flight_recorder_entries,  # noqa: E402
+                                 group_names)
 from trainer.config import compose  # noqa: E402
 from trainer.launch import configure_worker_logging  # noqa: E402
 from trainer.run import build_trainer  # noqa: E402
 
 
-# The flight recorder's ring when a run counts its collectives: more than one run's records (a counted
-# run fails if its first record was overwritten), and no larger, because every process group of the launch
+# The flight recorder's ring when a run counts its collectives: the trainer's default (2,000 records), which
+# holds one run's records several times over (the largest, an 8-process 3d run, makes about 620; a counted
+# run whose first record was overwritten fails), and no larger, because every process group of the launch
 # records into it and the straggler report (trainer/hang.py) reads all of it at each log step: at 60,000
 # records one read took 1.7 s, at 2,000 30 ms (measured: one gloo process, 16-element all-reduces).
-RING_ENTRIES = 6000
+RING_ENTRIES = DEFAULT_FR_ENTRIES
 
 
 def main() -> None:
