@@ -549,7 +549,6 @@ class Runner:
             self.outcomes[text].out = log
             self.record(self.outcomes[text])
 
-
     def read_pooled(self, world: int) -> None:
         failed = POOL.wait(world, "readme_runs")
         for outcome in self.outcomes.values():

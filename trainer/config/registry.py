@@ -59,19 +59,20 @@ def families() -> list[Family]:
     ]
 
 
-_STORED_SCHEMAS: list[bool] = []  # stored once per process: storing every schema costs 80 ms a compose
+_schemas_stored = False  # once per process: storing every schema costs 80 ms a compose
 
 
 def register_configs() -> None:
     """Put every schema in Hydra's ConfigStore (idempotent: the schemas once, a recipe when it changed)."""
+    global _schemas_stored
     cs = ConfigStore.instance()
-    if not _STORED_SCHEMAS:
+    if not _schemas_stored:
         cs.store(name="config_schema", node=Config)
         for family in families():
             for name, node in family.schemas.items():
                 package = f"{family.group}.{name}" if family.keyed else None
                 cs.store(group=family.group, name=f"{name}_schema", node=node, package=package)
-        _STORED_SCHEMAS.append(True)
+        _schemas_stored = True
     _register_recipes(cs)
 
 
