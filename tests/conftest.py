@@ -10,7 +10,7 @@ import torch
 
 # Tests that need the machine to themselves (trainer.hang_timeout_s of a few seconds, straggler timings):
 # they run last, after the shared launches have ended (their fixtures call POOL.wait_all()).
-QUIET_MODULES = ("test_hang.py",)
+QUIET_MODULES = ("test_hang.py", "test_launch.py")
 
 
 @pytest.fixture(autouse=True, scope="module")

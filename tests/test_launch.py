@@ -13,12 +13,20 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+from tests.launch_pool import POOL
+
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128",
          "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.max_steps=4",
          "trainer.log_every=1", "trainer.val_every=2", "trainer.val_batches=1", "lr_schedule.warmup_steps=1",
          "data.max_bytes=1000000"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_machine() -> None:
+    """Rendezvous of real launchers: not beside the session's shared launches (one timed out beside them)."""
+    POOL.wait_all()
 
 
 def trainer_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess[str]:
