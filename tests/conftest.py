@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     while the launches do; the quiet ones last."""
     from tests.launch_pool import POOL
 
-    pooled = {f"test_{batch.module}.py" for batch in POOL.batches}
+    pooled = {f"test_{module}.py" for module in POOL.modules_with_work()}
 
     def rank(item: pytest.Item) -> int:
         name = Path(str(item.fspath)).name
@@ -44,7 +44,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from tests.launch_pool import POOL
 
     selected = {Path(str(item.fspath)).stem.removeprefix("test_") for item in session.items if _multi_process(item)}
-    POOL.start(selected & {batch.module for batch in POOL.batches})
+    POOL.start(selected & POOL.modules_with_work())
 
 
 def _multi_process(item: pytest.Item) -> bool:

@@ -17,6 +17,10 @@ the session's tests are collected (tests/conftest.py) `start` launches, in a thr
 modules registered while the other modules' tests run; the modules that read the launches run last, and
 `ensure` waits for the launches it needs. A test that must have the machine to itself (timeouts of a few
 seconds) waits for every launch with `wait_all`.
+
+Work a module would otherwise do in this process before reading (the README's sequence of commands) is a
+job: a command registered with `add_job`, started with the launches by `start`, read with `job`. Runs that
+need one process only are launches of one process (world size 1), for the same reason.
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ class Batch:
     launched: bool = False
 
 
+@dataclass
+class Job:
+    """A module's sequence of foreground work run as a process of its own, beside the tests (`add_job`)."""
+
+    module: str
+    command: list[str]
+    process: Optional[subprocess.Popen[str]] = None
+    result: Optional[tuple[int, str]] = None  # exit code, output
+
+
 class LaunchPool:
     """The session's multi-process runs, launched once per (stage, world size)."""
 
@@ -64,6 +78,7 @@ class LaunchPool:
         self._background: threading.Thread | None = None
         self._process: subprocess.Popen[str] | None = None  # the launch running now
         self._stopped = False
+        self.jobs: dict[str, Job] = {}
 
     def directory(self, module: str) -> Path:
         """Where a module's runs write: `<root>/<module>/np<world>/<name>`."""
@@ -86,8 +101,44 @@ class LaunchPool:
             prepare))
         return self.directory(module)
 
+    def modules_with_work(self) -> set[str]:
+        """The modules that registered runs or a job."""
+        return {batch.module for batch in self.batches} | set(self.jobs)
+
+    @property
+    def jobs_root(self) -> Path:
+        """Where jobs write (beside the launches' directory, which the first launch empties)."""
+        return self.root.with_name(self.root.name + "-jobs")
+
+    def add_job(self, module: str, command: list[str]) -> None:
+        """Register a command (run in the repository) whose results `module` reads with `job`: started with
+        the launches, it runs beside the tests instead of inside the test that needs it."""
+        self.jobs[module] = Job(module, command)
+
+    def job(self, module: str) -> tuple[int, str]:
+        """Wait for `module`'s job (started now if it was not): its exit code and output."""
+        job = self.jobs[module]
+        if job.result is None:
+            self._start_job(job)
+            assert job.process is not None
+            try:
+                output, _ = job.process.communicate(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.process.pid, signal.SIGKILL)
+                output = job.process.communicate()[0] + f"\ntimed out after {LAUNCH_TIMEOUT_S} s"
+            job.result = (job.process.returncode, output[-6000:])
+        return job.result
+
+    def _start_job(self, job: Job) -> None:
+        if job.process is None:
+            job.process = subprocess.Popen(job.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                           cwd=REPO, start_new_session=True)
+
     def start(self, modules: set[str]) -> None:
-        """Launch, in a background thread and in `ensure`'s order, every run `modules` registered."""
+        """Start the jobs of `modules`, and launch, in a background thread and in `ensure`'s order, every run
+        `modules` registered."""
+        for module in sorted(modules & set(self.jobs)):
+            self._start_job(self.jobs[module])
         self.modules = modules
         order = [key for key in self._order() if self._batches(*key)]
         if order:
@@ -103,9 +154,9 @@ class LaunchPool:
     def stop(self) -> None:
         """End the running launch and launch nothing more (the session is over)."""
         self._stopped = True
-        process = self._process
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        for process in [self._process] + [job.process for job in self.jobs.values()]:
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
         self.wait_all()
 
     def _order(self) -> list[tuple[int, int]]:
@@ -221,3 +272,4 @@ def remove_pool() -> None:
     """At the session's end; `TRAINER_TEST_KEEP_LAUNCHES=1` keeps the directory (to read the runs' logs)."""
     if os.environ.get("TRAINER_TEST_KEEP_LAUNCHES") != "1":
         shutil.rmtree(POOL.root, ignore_errors=True)
+        shutil.rmtree(POOL.jobs_root, ignore_errors=True)

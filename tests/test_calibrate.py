@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from trainer.config import compose, validate
-from trainer.planner.calibrate import CALIBRATION_FILE, report, run_config
+from trainer.planner.calibrate import CALIBRATION_FILE, hardware_yaml, report, run_config
 from trainer.planner.calibration_run import calibration_worker
 from trainer.planner.hardware import HardwareConfig
 
@@ -50,6 +50,15 @@ def test_single_process_calibration_reports_both_columns_and_saves_the_profile(
     assert json.loads((tmp_path / CALIBRATION_FILE).read_text())["measured"]["step_time_s"] > 0
     profile = {k: v for k, v in yaml.safe_load(saved.read_text()).items() if k != "defaults"}
     assert HardwareConfig(**profile).peak_flops_fp32 > 0
+
+
+def test_a_saved_profile_reads_back_as_numbers_in_any_yaml_reader() -> None:
+    # 1e+11 (what 4 significant digits make of 99,996,000,000) is a string to PyYAML: the file writes 1.0e+11
+    measured = HardwareConfig(peak_flops_fp32=99_996_000_000.0, peak_flops_bf16=1.234e11, memory_gb=3.0)
+    written = yaml.safe_load(hardware_yaml(measured, "python -m trainer mode=plan plan.calibrate=true"))
+    profile = HardwareConfig(**{k: v for k, v in written.items() if k != "defaults"})
+    assert (profile.peak_flops_fp32, profile.peak_flops_bf16, profile.memory_gb) == (1e11, 1.234e11, 3.0)
+    assert profile.devices_per_node == measured.devices_per_node
 
 
 @pytest.mark.slow

@@ -69,6 +69,22 @@ def all_options() -> list[tuple[str, str]]:
     return [(group, option) for group in GROUPS for option in group_options(group)]
 
 
+def test_composes_share_the_config_store_and_return_independent_configs() -> None:
+    # Hydra deep-copies its repository on every compose; the ConfigStore inside is shared instead (a fifth
+    # of a compose's time, trainer/config/registry.py), and what each compose returns stays its own.
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+
+    first = compose(["strategy=zero3"])
+    assert copy.deepcopy(ConfigStore.instance()) is ConfigStore.instance()
+    first.strategy.grad_sync = "microbatch"
+    first.trainer.max_steps = 7
+    second = compose(["strategy=zero3"])
+    assert (second.strategy.grad_sync, second.trainer.max_steps) == ("auto", compose([]).trainer.max_steps)
+    assert second.trainer.max_steps != 7
+
+
 def test_every_group_has_options() -> None:
     for group in GROUPS:
         assert group_options(group), f"conf/{group} is empty"

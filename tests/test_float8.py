@@ -157,9 +157,9 @@ SHORT = [f"trainer.max_steps={SHORT_STEPS}", "optimizer.lr=3e-4"]
 # all-gather's roundings differ from the first step, so fewer steps do not shrink them). A wrong scale or a
 # missing cast moves the loss by whole percents from the first step.
 PARALLEL = {
-    "ddp_rowwise": (["strategy=ddp", *FP8, "precision.recipe=rowwise"], "rowwise_short", 1e-4, 1e-4),
+    "ddp_rowwise": (["strategy=ddp", *FP8, "precision.recipe=rowwise"], "np1/rowwise_short", 1e-4, 1e-4),
     # a pipeline of float8 stages (1f1b over the 2 micro-batches)
-    "pp2_tensorwise": (["strategy=pp", "pp=2", *FP8], "tensorwise_short", 1e-3, 5e-2),
+    "pp2_tensorwise": (["strategy=pp", "pp=2", *FP8], "np1/tensorwise_short", 1e-3, 5e-2),
     # float8 all-gather of the FSDP2-sharded weights, scales precomputed after each step, against the
     # same run gathering bf16 weights and casting them after the gather
     "zero3_float8_gather": (["strategy=zero3", *FP8], "np2/zero3_bf16_gather", 1e-3, 5e-2),
@@ -176,25 +176,25 @@ POOL.add("float8", 2, [{"name": name, "overrides": MODEL + LOOP + SHORT + overri
                         for name, (overrides, *_) in PARALLEL.items()])
 
 
+# The single-process runs, in the shared launches too (a launch of one process): they run beside this
+# process's tests instead of after them.
+SINGLES = {"bf16_long": ["precision=bf16", *LONG], "tensorwise_long": [*FP8, *LONG],
+           "rowwise_long": [*FP8, "precision.recipe=rowwise", *LONG],
+           "tensorwise_short": [*FP8, *SHORT], "rowwise_short": [*FP8, "precision.recipe=rowwise", *SHORT]}
+POOL.add("float8", 1, [{"name": name, "overrides": MODEL + LOOP + overrides} for name, overrides in SINGLES.items()])
+
+
 @pytest.fixture(scope="module")
 def fp8_runs() -> Path:
-    from trainer.run import build_trainer
-
-    out = POOL.ensure(2, "float8")
-    singles = {"bf16_long": ["precision=bf16", *LONG], "tensorwise_long": [*FP8, *LONG],
-               "rowwise_long": [*FP8, "precision.recipe=rowwise", *LONG],
-               "tensorwise_short": [*FP8, *SHORT], "rowwise_short": [*FP8, "precision.recipe=rowwise", *SHORT]}
-    for name, overrides in singles.items():
-        trainer = build_trainer(compose(MODEL + LOOP + overrides), out / name)
-        trainer.fit()
-    return out
+    POOL.ensure(1, "float8")
+    return POOL.ensure(2, "float8")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_training_ends_within_3_percent_of_bf16(fp8_runs: Path, recipe: str) -> None:
     """Train loss (mean of the last 10 steps) and validation loss after LONG_STEPS steps."""
-    bf16, fp8 = fp8_runs / "bf16_long", fp8_runs / f"{recipe}_long"
+    bf16, fp8 = fp8_runs / "np1" / "bf16_long", fp8_runs / "np1" / f"{recipe}_long"
     last = lambda run: statistics.mean(v for s, v in _column(run, "train_loss").items() if s > LONG_STEPS - 10)  # noqa: E731
     assert len(_column(fp8, "train_loss")) == LONG_STEPS
     assert last(fp8) < _column(fp8, "train_loss")[1] - 1.0  # it trained (from ln 256 = 5.5)

@@ -130,3 +130,19 @@ def test_metrics_csv_redoes_the_rows_of_steps_a_rollback_replays(tmp_path: Path)
     with open(tmp_path / "metrics.csv") as f:
         rows = [(int(r["step"]), float(r["train_loss"]), r.get("val_loss") or None) for r in csv.DictReader(f)]
     assert rows == [(1, 1.0, None), (2, 2.0, None), (3, 13.0, None), (4, 14.0, None), (5, 15.0, None), (6, 16.0, None)]
+
+
+def test_only_the_rank_that_logs_builds_the_throughput_meter() -> None:
+    # Lightning's Throughput costs a 3 s import: the ranks that log nothing (all but rank 0) never build it.
+    from types import SimpleNamespace
+
+    from trainer.plugins.callbacks.monitors import ThroughputMonitor
+
+    built = []
+    for is_global_zero in (False, True):
+        monitor = ThroughputMonitor()
+        trainer = SimpleNamespace(is_global_zero=is_global_zero, peak_flops=1e9, strategy=SimpleNamespace(world_size=2),
+                                  step=0, train_time_s=0.0, tokens_seen=0, config=SimpleNamespace(seq_len=32))
+        monitor.on_fit_start(trainer)  # type: ignore[arg-type]
+        built.append(monitor._throughput is not None)
+    assert built == [False, True]

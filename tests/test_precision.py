@@ -244,16 +244,16 @@ POOL.add("precision", 2, [{"name": name, "overrides": SMALL + OVERFLOW_LOOP + st
     for name, strategy in OVERFLOW_RUNS.items()])
 
 
+# The curves are single-process runs: in the shared launches too (a launch of one process), where they run
+# beside this process's tests instead of after them (the same numbers: trainer.num_threads=1 either way).
+POOL.add("precision", 1, [{"name": name, "overrides": CURVE_LOOP + [f"precision={name}"] + options}
+                          for name, options in CURVES.items()])
+
+
 @pytest.fixture(scope="module")
 def runs() -> Path:
-    out = POOL.ensure(2, "precision")
-    threads = torch.get_num_threads()  # trainer.num_threads=1 sets it for this whole process
-    try:
-        for name, options in CURVES.items():
-            build_trainer(compose(CURVE_LOOP + [f"precision={name}"] + options), out / "curves" / name).fit()
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    POOL.ensure(1, "precision")
+    return POOL.ensure(2, "precision")
 
 
 def overflow_rows(runs: Path, name: str) -> list[list[dict]]:
@@ -287,7 +287,7 @@ def test_fp16_overflow_on_one_rank_is_skipped_by_all(runs: Path, name: str) -> N
 
 
 def curve(runs: Path, name: str, metric: str = "train_loss") -> list[float]:
-    values = column(runs / "curves" / name, metric)
+    values = column(runs / "np1" / name, metric)
     assert len(values) == 100, (name, len(values))
     return values
 

@@ -37,6 +37,7 @@ import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -411,7 +412,8 @@ class Runner:
         self.harness: dict[int, list[tuple[str, dict[str, Any]]]] = {}
         self.last_sweep: Path | None = None
 
-    def run_all(self, commands: list[Command], all_plans: dict[str, Plan]) -> dict[str, Outcome]:
+    def run_sequence(self, commands: list[Command], all_plans: dict[str, Plan]) -> dict[str, Outcome]:
+        """Every command in order, but the pooled ones (`read_all_pooled` reads those)."""
         for index, command in enumerate(commands):
             plan = all_plans[command.text]
             outcome = self.outcomes[command.text] = Outcome(plan)
@@ -425,6 +427,10 @@ class Runner:
                 outcome.error = f"{type(error).__name__}: {error}"
         for world, runs in sorted(self.harness.items()):
             self.launch(world, runs)
+        return self.outcomes
+
+    def read_all_pooled(self) -> dict[str, Outcome]:
+        """The pooled commands' outcomes, from the session's shared launches."""
         for world in sorted({outcome.plan.world for outcome in self.outcomes.values() if pooled(outcome.plan)}):
             self.read_pooled(world)
         return self.outcomes
@@ -553,7 +559,9 @@ class Runner:
         failed = POOL.wait(world, "readme_runs")
         for outcome in self.outcomes.values():
             if pooled(outcome.plan) and outcome.plan.world == world:
-                (run_dir,) = outcome.run_dirs
+                # this process's launch directory (the sequence's process named its own)
+                run_dir = POOL.directory("readme_runs") / f"np{world}" / outcome.run_dirs[0].name
+                outcome.run_dirs = [run_dir]
                 if run_dir.name in failed:
                     outcome.error = f"the {world}-process launch failed: {failed[run_dir.name][-3000:]}"
                     continue
@@ -589,12 +597,35 @@ def write_documents(path: Path, key: str) -> None:
 
 _register_pooled_runs()
 
+# The README's sequence (its single-process commands in this module's Runner, in order, in one directory) is
+# a process of its own, started with the shared launches: it runs beside the other tests instead of inside
+# this module's first one. It writes its outcomes to RESULT; the multi-process commands are read here.
+SEQUENCE = POOL.jobs_root / "readme_runs"
+RESULT = SEQUENCE / "outcomes.pkl"
+POOL.add_job("readme_runs", [sys.executable, "-c", "from tests.test_readme_runs import run_sequence; run_sequence()",
+                             str(SEQUENCE)])
+
+
+def run_sequence() -> None:
+    """The job: `python -c ... DIR` runs the README's commands in DIR/cwd (launches in DIR/harness)."""
+    import pickle
+
+    root = Path(sys.argv[1])
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "cwd").mkdir(parents=True)
+    outcomes = Runner(root / "cwd", root / "harness").run_sequence(readme_commands(), plans())
+    (root / "outcomes.pkl").write_bytes(pickle.dumps(outcomes))
+
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    cwd = tmp_path_factory.mktemp("readme")
-    commands = readme_commands()
-    return Runner(cwd, tmp_path_factory.mktemp("readme_harness")).run_all(commands, plans())
+def outcomes() -> dict[str, Outcome]:
+    import pickle
+
+    code, output = POOL.job("readme_runs")
+    assert code == 0 and RESULT.exists(), f"the README's sequence (tests/test_readme_runs.py) failed:\n{output}"
+    runner = Runner(SEQUENCE / "cwd", SEQUENCE / "harness")
+    runner.outcomes = pickle.loads(RESULT.read_bytes())
+    return runner.read_all_pooled()
 
 
 # ---- checks ----------------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ class ThroughputMonitor(Callback):
 
     def _start_interval(self, trainer: "Trainer") -> None:
         # Imported here, not at the top: importing lightning costs seconds per process (see
-        # trainer.run.seed_everything), paid only by runs that monitor throughput.
+        # trainer.run.seed_everything), paid only by runs that monitor throughput, on the rank that logs.
         from lightning.fabric.utilities.throughput import Throughput
 
         # A window of two marks: the previous logged step and this one, i.e. exactly the loop's interval.
@@ -142,7 +142,8 @@ class ThroughputMonitor(Callback):
         return {"samples_per_s": rates["device/samples_per_sec"], "flops_per_s": rates["device/flops_per_sec"]}
 
     def on_fit_start(self, trainer: "Trainer") -> None:
-        self._start_interval(trainer)
+        if trainer.is_global_zero:  # the rates are logged by rank 0 alone
+            self._start_interval(trainer)
         self._phase_sums = dict.fromkeys(PHASES, 0.0)
         self._steps = 0
 

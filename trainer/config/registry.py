@@ -62,11 +62,24 @@ def families() -> list[Family]:
 _schemas_stored = False  # once per process: storing every schema costs 80 ms a compose
 
 
+def _shared_config_store(self: ConfigStore, memo: dict) -> ConfigStore:
+    return self
+
+
+def _share_config_store() -> None:
+    """Every compose deep-copies Hydra's config repository (CachingConfigRepository, "to avoid mutating it
+    with initialize_sources()"), and with it the ConfigStore singleton its structured-config source holds:
+    every schema and recipe, 50 ms of a 0.3 s compose. Nothing writes to the copy (ConfigStore.load hands
+    out a deep copy of each node it loads), so the copy is the store itself."""
+    ConfigStore.__deepcopy__ = _shared_config_store  # type: ignore[attr-defined]
+
+
 def register_configs() -> None:
     """Put every schema in Hydra's ConfigStore (idempotent: the schemas once, a recipe when it changed)."""
     global _schemas_stored
     cs = ConfigStore.instance()
     if not _schemas_stored:
+        _share_config_store()
         cs.store(name="config_schema", node=Config)
         for family in families():
             for name, node in family.schemas.items():

@@ -201,7 +201,14 @@ def hardware_yaml(hardware: HardwareConfig, command: str) -> str:
     def text(value: Any) -> str:
         if isinstance(value, dict):
             return "{" + ", ".join(f"{key}: {text(v)}" for key, v in value.items()) + "}"
-        return json.dumps(value) if isinstance(value, str) else f"{value:.4g}"
+        if isinstance(value, str):
+            return json.dumps(value)
+        written = f"{value:.4g}"
+        mantissa, _, exponent = written.partition("e")
+        if isinstance(value, float) and exponent and "." not in mantissa:
+            # YAML 1.1 (PyYAML) reads 1e+11 as a string: a float needs a dot before its exponent
+            written = f"{mantissa}.0e{exponent}"
+        return written
 
     for key, value in asdict(hardware).items():
         lines.append(f"{key}: {text(value)}")
