@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -35,9 +36,16 @@ def trainer_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the ephemeral range (32768-60999 on Linux): a port the kernel handed out
+    (bind to 0) can be handed again to another process's connection before the test's store binds it."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def test_devices_2_launches_workers_in_one_run_dir_and_only_rank0_speaks(tmp_path: Path) -> None:
