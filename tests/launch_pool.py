@@ -122,17 +122,25 @@ class LaunchPool:
             self._start_job(job)
             assert job.process is not None
             try:
-                output, _ = job.process.communicate(timeout=LAUNCH_TIMEOUT_S)
+                job.process.wait(timeout=LAUNCH_TIMEOUT_S)
+                note = ""
             except subprocess.TimeoutExpired:
                 os.killpg(job.process.pid, signal.SIGKILL)
-                output = job.process.communicate()[0] + f"\ntimed out after {LAUNCH_TIMEOUT_S} s"
-            job.result = (job.process.returncode, output[-6000:])
+                job.process.wait()
+                note = f"\ntimed out after {LAUNCH_TIMEOUT_S} s"
+            job.result = (job.process.returncode, self._job_log(job).read_text()[-6000:] + note)
         return job.result
+
+    def _job_log(self, job: Job) -> Path:
+        return self.jobs_root / f"{job.module}.log"
 
     def _start_job(self, job: Job) -> None:
         if job.process is None:
-            job.process = subprocess.Popen(job.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           cwd=REPO, start_new_session=True)
+            # into a file, not a pipe: nobody reads the job's output until a test needs its results
+            self.jobs_root.mkdir(parents=True, exist_ok=True)
+            with open(self._job_log(job), "w") as log:
+                job.process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                               cwd=REPO, start_new_session=True)
 
     def start(self, modules: set[str]) -> None:
         """Start the jobs of `modules`, and launch, in a background thread and in `ensure`'s order, every run
