@@ -8,7 +8,8 @@ from typing import Iterator
 import pytest
 import torch
 
-# Tests that need the machine to themselves (trainer.hang_timeout_s of a few seconds, straggler timings):
+# Tests that need the machine to themselves (trainer.hang_timeout_s of a few seconds, straggler timings, the
+# launcher's rendezvous):
 # they run last, after the shared launches have ended (their fixtures call POOL.wait_all()).
 QUIET_MODULES = ("test_hang.py", "test_launch.py")
 
