@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
-# The GPU suite of issue 17, in one command on a GPU machine (from the repository root):
+# The GPU suite (issues 17 and 27), one command on a GPU machine, from the repository root:
 #
 #     bash benchmarks/gpu_suite.sh
 #
-# 1. prints the device (nvidia-smi, torch.cuda.get_device_name) and torch's CUDA version;
-# 2. makes the project importable without a network: wheels found in .whl/ are installed into a private
-#    folder on PYTHONPATH, then the project itself with `pip install --no-index --no-deps
-#    --no-build-isolation -e .` (the plugins/ folder installs as trainer.plugins, so PYTHONPATH alone
-#    is not enough);
-# 3. runs the gpu test tier: `python -m pytest -m gpu -q -rs` (tests/test_gpu.py), junit XML kept;
-# 4. runs benchmarks/gpu_throughput.py (Llama 3 8B width, layers from the planner, compile and eager)
-#    and benchmarks/precision_speed.py on the GPU (gpt2_small, 1024-token sequences);
-# 5. prints ONE markdown table (benchmarks/gpu_table.py) to paste into docs/BENCHMARKS.md's GPU section.
-# Without CUDA it still runs: the tests skip, the benchmark runs its CPU --smoke mode, precision_speed is
-# left out, and the table says so.
+# It fits 9 minutes on one H100/H200: every part has its own time limit, runs in order of importance, and
+# writes into the results folder as it goes, so a part that fails or runs out of time costs only itself.
 #
-# What a machine without internet must be given: torch with CUDA, pytest, lightning, numpy, setuptools,
-# safetensors and transformers (for the Hugging Face export test) are usually there; hydra-core,
-# omegaconf and antlr4-python3-runtime (omegaconf's parser), and torchao for the fp8 test, often are not.
-# Carry them as wheels in .whl/ at the repository root, made on a machine with pip and internet:
+#  1. the device (nvidia-smi, torch.cuda.get_device_name), torch's CUDA version, the host's CPUs and memory;
+#  2. makes the project importable without a network: wheels found in .whl/ are installed into a private
+#     folder on PYTHONPATH, then the project itself (`pip install --no-index --no-deps --no-build-isolation
+#     -e .`: the plugins/ folder installs as trainer.plugins, so PYTHONPATH alone is not enough);
+#  3. the gpu test tier: `python -m pytest -m gpu` (tests/test_gpu.py), junit XML kept;
+#  4. benchmarks/gpu_throughput.py at the planner's layer count, bf16, compiled, with a profiler kernel table;
+#  5. recipe=llama2_7b_1xh100_offload for a few steps: Llama 2 7B on one GPU with ZeRO-Offload;
+#  6. the throughput benchmark with precision=fp8, compiled;
+#  7. this trainer against benchmarks/hf_reference.py's plain Hugging Face loop, 4 layers, compiled, no AC;
+#  8. benchmarks/gpu_memory.py: the planner's device memory against the allocator's peak, Llama 3 8B width,
+#     2 and 4 layers x activation checkpointing none/selective/full;
+#  9. benchmarks/gpu_table.py: ONE markdown table (table.md) and ONE JSON object (suite.json); the logs,
+#     the kernel table and the junit XML are packed into logs.tar.gz beside them.
+# Without CUDA it still runs: the tests skip and the benchmarks say "no CUDA device".
 #
-#     echo /.whl/ >> .git/info/exclude
-#     pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.2 omegaconf==2.3.0
-#     pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3     # published as a source archive only
-#     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#         -d .whl torchao                                           # optional: the fp8 test skips without it
+# A machine without internet must be given hydra-core, omegaconf, antlr4-python3-runtime and torchao as
+# wheels in .whl/ at the repository root (../shared/gpu/README.md; made elsewhere with
+# `pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.2 omegaconf==2.3.0 torchao` and
+# `pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3`).
 #
-# Environment: PYTHON (default python3), GPU_SUITE_OUT (where logs, junit.xml and table.md go; default
-# /tmp/gpu_suite), THROUGHPUT_ARGS (extra arguments of gpu_throughput.py, e.g. "--layers 8 --steps 20").
+# Environment: PYTHON (default python3), GPU_SUITE_OUT (the results folder; default /tmp/gpu_suite),
+# GPU_SUITE_SECONDS (the whole suite's time limit, default 540: 9 minutes).
 # The exit status is pytest's (0 when every gpu test passed or skipped).
 
 set -uo pipefail
@@ -35,13 +35,37 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RESULTS=${GPU_SUITE_OUT:-/tmp/gpu_suite}
 mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+
+# The whole suite's limit: a part gets at most what is left of it, less 20 s kept for the table.
+BUDGET=${GPU_SUITE_SECONDS:-540}
+
+# part NAME SECONDS COMMAND...: run a part with its time limit, its output in $RESULTS/NAME.log
+part() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$(( BUDGET - 20 - ($(date +%s) - START) ))
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -le 5 ]; then
+        echo "== $name: not run (the suite's ${BUDGET} s are spent)" | tee "$RESULTS/$name.log"
+        return 124
+    fi
+    echo "== $name (limit ${limit} s, at $(( $(date +%s) - START )) s)"
+    timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+    local status=$?
+    grep -v '^{' "$RESULTS/$name.log" | grep -v '^warning\|Warning\|warn(' | tail -n 4
+    echo "   $name: exit status $status"
+    return $status
+}
 
 echo "== device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
-    || echo "nvidia-smi: not available"
-"$PY" -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|',
-torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" || exit 1
-CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+    "$PY" -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|',
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
+    echo "host: $(nproc) CPUs, $(free -g 2>/dev/null | awk '/Mem:/ {print $2}') GiB"
+} | tee "$RESULTS/device.log"
 
 echo "== install (no network)"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -57,23 +81,21 @@ if ! "$PY" -c "import hydra, omegaconf, lightning, trainer.run"; then
     exit 1
 fi
 
-echo "== gpu tests: python -m pytest -m gpu -q -rs"
-export PYTHONUNBUFFERED=1
-"$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$RESULTS/junit.xml" 2>&1 | tee "$RESULTS/pytest.log"
-TESTS=${PIPESTATUS[0]}
+part gpu_tests 200 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$RESULTS/junit.xml"
+TESTS=$?
+part throughput_bf16 150 "$PY" benchmarks/gpu_throughput.py --modes compile --steps 5 --warmup 3 \
+    --profile "$RESULTS/kernels_bf16.txt"
+part offload 150 "$PY" -m trainer recipe=llama2_7b_1xh100_offload trainer.global_batch_size=4 trainer.max_steps=4 \
+    trainer.log_every=1 trainer.val_every=0 trainer.val_batches=1 trainer.save_final=false callbacks=none \
+    "hydra.run.dir=$RESULTS/offload_run"
+part throughput_fp8 120 "$PY" benchmarks/gpu_throughput.py --precision fp8 --modes compile --steps 5 --warmup 3
+part throughput_4l 60 "$PY" benchmarks/gpu_throughput.py --layers 4 --ac none --modes compile --steps 5 --warmup 3
+part hf_4l 120 "$PY" benchmarks/hf_reference.py --layers 4 --steps 5 --warmup 3
+part memory 75 "$PY" benchmarks/gpu_memory.py --layers 2,4 --ac none,selective,full --json "$RESULTS/memory.json"
 
-echo "== benchmarks"
-if [ "$CUDA" = 1 ]; then
-    # shellcheck disable=SC2086  # THROUGHPUT_ARGS holds several arguments
-    "$PY" benchmarks/gpu_throughput.py ${THROUGHPUT_ARGS:-} 2>&1 | tee "$RESULTS/gpu_throughput.log"
-    "$PY" benchmarks/precision_speed.py --model gpt2_small --seq-len 1024 --batch 8 --steps 10 --warmup 3 \
-        --repeats 2 2>&1 | tee "$RESULTS/precision_speed.log"
-else
-    "$PY" benchmarks/gpu_throughput.py --smoke 2>&1 | tee "$RESULTS/gpu_throughput.log"
-    echo "precision_speed: not run (no CUDA device; on a CPU see docs/BENCHMARKS.md)" | tee "$RESULTS/precision_speed.log"
-fi
-
-echo "== table (docs/BENCHMARKS.md, section GPU)"
-"$PY" benchmarks/gpu_table.py --junit "$RESULTS/junit.xml" --throughput "$RESULTS/gpu_throughput.log" \
-    --precision "$RESULTS/precision_speed.log" | tee "$RESULTS/table.md"
+echo "== table (docs/BENCHMARKS.md, section GPU) at $(( $(date +%s) - START )) s"
+"$PY" benchmarks/gpu_table.py "$RESULTS"
+(cd "$RESULTS" && tar czf logs.tar.gz --exclude logs.tar.gz --exclude table.md --exclude suite.json . && \
+    find . -mindepth 1 -maxdepth 1 ! -name logs.tar.gz ! -name table.md ! -name suite.json -exec rm -rf {} +)
+echo "suite: $(( $(date +%s) - START )) s; results in $RESULTS (table.md, suite.json, logs.tar.gz)"
 exit "$TESTS"

@@ -5,14 +5,22 @@ The model is conf/model/llama3_8b.yaml at full width (dim 4096, 32 heads, 8 KV h
 (trainer/planner, `strategy=single`, this GPU's memory) fits, or `--layers N`. Settings follow torchtitan's
 Llama 3 8B training config where one GPU allows: `precision=bf16`, `activation_checkpointing=selective`,
 sequences of 8192 tokens, one sequence per micro-batch; `trainer.compile=true` for the compiled figure,
-then the same run eager. The trainer runs in this process through `trainer.run.build_trainer`; each
-step is timed by `benchmarks/_common.py`'s StepClock (which synchronizes the GPU), after `--warmup` steps
-that absorb compilation and the allocator's growth.
+then the same run eager. The trainer runs in this process through `trainer.run.build_trainer`.
 
-Reported per mode: tokens/s on this GPU, MFU against the data-sheet dense bf16 peak of this GPU (read from
-conf/hardware/*.yaml by the name torch.cuda.get_device_name gives, else `trainer.hardware`'s table or a
-measured matmul peak), peak allocated memory, and the planner's predicted memory. Model FLOPs per token
-follow Narayanan et al. 2021 (6 x matmul parameters + attention), the convention torchtitan's MFU uses.
+The figures reported per mode (`tokens_per_s`, `mfu`) are the trainer's own steady-state figures, the
+`tokens_per_s` and `mfu` of the run's summary.json that `python -m trainer` prints at its end
+(trainer/throughput.py: wall-clock between logged steps, read after the GPU has finished them), with
+`trainer.throughput_warmup_steps=--warmup` and every step logged, so the steady window is the steps after
+the warm-up that absorbs compilation and the allocator's growth: the CLI and this benchmark agree by
+construction. As a cross-check, `benchmarks/_common.py`'s StepClock times the same steps independently
+(it synchronizes the GPU at the end of every step); `step_clock_tokens_per_s` is its figure and
+`trainer_over_step_clock` the ratio of the two (1.00 up to noise: anything else means one of the clocks
+misses or double counts time). MFU is the trainer's: against the data-sheet dense peak of this GPU in the
+dtype the matmuls run in (bf16 for bf16 and fp8 runs; `trainer.hardware`, the figures of
+conf/hardware/*.yaml), else a measured matmul peak; `peak_flops` reports it. Also reported: the wall
+average over the whole training (compilation included), peak allocated memory, and the planner's
+predicted memory. Model FLOPs per token follow Narayanan et al. 2021 (6 x matmul parameters + attention),
+the convention torchtitan's MFU uses.
 
 torchtitan's published Llama 3.1 8B figures (8 H100s, FSDP over the full 32 layers, seq 8192, selective
 AC, bf16): 5,762 tokens/s/GPU eager, 6,667 compiled, 8,532 compiled + float8. This run has fewer layers on
@@ -47,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import StepClock  # noqa: E402
 
+from trainer.callback import Callback  # noqa: E402
 from trainer.config import compose, validate  # noqa: E402
-from trainer.hardware import peak_flops  # noqa: E402
 from trainer.planner import plan  # noqa: E402
 from trainer.run import build_trainer  # noqa: E402
 
@@ -84,7 +92,9 @@ def base_overrides(args: argparse.Namespace, layers: int, hardware: Optional[str
                  f"precision={args.precision}", f"activation_checkpointing={args.ac}",
                  f"trainer.seq_len={args.seq_len}", f"trainer.micro_batch_size={args.micro_batch}",
                  f"trainer.global_batch_size={args.micro_batch}", f"trainer.max_steps={steps}",
-                 f"trainer.log_every={steps}", "trainer.val_every=0", "trainer.val_batches=1",
+                 # every step logged: the trainer's steady window starts right after the warm-up
+                 "trainer.log_every=1", f"trainer.throughput_warmup_steps={args.warmup}",
+                 "trainer.val_every=0", "trainer.val_batches=1",
                  "lr_schedule.warmup_steps=1", "callbacks=none", "trainer.save_final=false"]
     if args.smoke:
         overrides += SMOKE_MODEL + ["trainer.accelerator=cpu", "trainer.peak_flops=1e12", "data.max_bytes=200000"]
@@ -113,11 +123,51 @@ def layers_that_fit(args: argparse.Namespace, hardware: Optional[str], memory_gb
     raise SystemExit("not even one layer of the 8B width fits this GPU according to the planner")
 
 
-def run_mode(overrides: list[str], warmup: int, tokens_per_step: int) -> dict[str, Any]:
-    """One training run; tokens/s over the steps after the warm-up, peak memory, loss."""
+class KernelTable(Callback):
+    """torch.profiler over `steps` steps after `warmup`: the kernel table (by device time) goes to `path`."""
+
+    def __init__(self, path: Path, warmup: int, steps: int = 2) -> None:
+        self.path, self.warmup, self.steps = path, warmup, steps
+        self.profiler: Optional[torch.profiler.profile] = None
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        if trainer.step == self.warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if self.profiler is not None and trainer.step == self.warmup + self.steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            self.path.write_text(f"{self.steps} steps after {self.warmup} warm-up steps, sorted by {sort}\n"
+                                 + self.profiler.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+            self.profiler = None
+
+
+# Steps a profiled run adds to the warm-up: the two profiled steps and the one whose interval holds the
+# writing of the kernel table (the trainer's clock closes a step's interval before its callbacks run).
+PROFILE_STEPS = 3
+
+
+def run_mode(overrides: list[str], warmup: int, tokens_per_step: int,
+             profile: Optional[Path] = None) -> dict[str, Any]:
+    """One training run: the trainer's steady-state tokens/s and MFU (its summary) over the steps after the
+    warm-up, StepClock's figure over the same steps and their ratio, peak memory, loss. With `profile`, the
+    two steps after the warm-up are profiled and PROFILE_STEPS steps join the warm-up (the caller adds
+    them to max_steps)."""
     clock = StepClock()
     with tempfile.TemporaryDirectory() as run_dir:
+        if profile is not None:
+            overrides = overrides + [f"trainer.throughput_warmup_steps={warmup + PROFILE_STEPS}"]
         trainer = build_trainer(compose(overrides), Path(run_dir))
+        if profile is not None:
+            trainer.callbacks.append(KernelTable(profile, warmup))
+            warmup += PROFILE_STEPS
         trainer.callbacks.append(clock)
         summary = trainer.fit()
         flops_per_token = trainer.flops_per_token
@@ -130,9 +180,15 @@ def run_mode(overrides: list[str], warmup: int, tokens_per_step: int) -> dict[st
             torch.cuda.empty_cache()
     measured = clock.times[warmup:]
     step_times = [b - a for a, b in zip(measured, measured[1:])]
-    tokens_per_s = len(step_times) * tokens_per_step / (measured[-1] - measured[0])
-    return {"tokens_per_s": tokens_per_s, "step_s_median": statistics.median(step_times),
-            "step_s": step_times, "flops_per_token": flops_per_token,
+    step_clock = len(step_times) * tokens_per_step / (measured[-1] - measured[0])
+    return {"tokens_per_s": summary["tokens_per_s"], "mfu": summary["mfu"],
+            "throughput_window": summary["throughput_window"],
+            "throughput_window_steps": summary["throughput_window_steps"],
+            "tokens_per_s_wall_average": summary["tokens_per_s_wall_average"],
+            "mfu_wall_average": summary["mfu_wall_average"],
+            "step_clock_tokens_per_s": step_clock, "trainer_over_step_clock": summary["tokens_per_s"] / step_clock,
+            "step_s_median": statistics.median(step_times), "step_s": step_times,
+            "flops_per_token": flops_per_token, "peak_flops": summary["peak_flops_per_device"],
             "peak_memory_bytes": summary["peak_memory_bytes_per_rank"][0], "last_train_loss": loss}
 
 
@@ -157,6 +213,8 @@ def main() -> None:
     parser.add_argument("--modes", default="compile,eager", help="compile and/or eager, comma-separated")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--ac", default="selective", help="activation_checkpointing option")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write torch.profiler's kernel table of 2 steps of the first mode here (3 extra steps)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, a 64-wide model, 2 layers, 64-token sequences, eager: checks the script runs")
     args = parser.parse_args()
@@ -202,25 +260,21 @@ def main() -> None:
           f"seq {args.seq_len} x {args.micro_batch}, precision={args.precision}, "
           f"activation_checkpointing={args.ac}; planner: {estimate.memory['total'] / 1e9:.1f} GB", flush=True)
 
-    # The MFU reference: this GPU's data-sheet peak in the dtype the matmuls run in (bf16 for bf16/fp8's
-    # high-precision parts), from conf/hardware/ when the GPU is described there.
-    if args.smoke:
-        peak = float(cfg.trainer.peak_flops)
-    elif hardware is not None:
-        peak = float(OmegaConf.load(REPO / "conf" / "hardware" / f"{hardware}.yaml").peak_flops_bf16)
-    else:
-        peak = peak_flops(torch.device("cuda"), torch.bfloat16)
-    result["peak_flops"] = peak
-
     result["modes"] = {}
-    for mode in modes:
-        figures = run_mode(overrides + [f"trainer.compile={'true' if mode == 'compile' else 'false'}"],
-                           args.warmup, tokens_per_step)
-        figures["mfu"] = figures["tokens_per_s"] * figures["flops_per_token"] / peak
+    for index, mode in enumerate(modes):
+        profile = args.profile if index == 0 else None
+        extra = [f"trainer.max_steps={args.warmup + args.steps + PROFILE_STEPS}"] if profile is not None else []
+        figures = run_mode(overrides + [f"trainer.compile={'true' if mode == 'compile' else 'false'}"] + extra,
+                           args.warmup, tokens_per_step, profile)
+        # The MFU reference is the trainer's (the same in every mode): this GPU's data-sheet peak in the
+        # dtype the matmuls run in; in smoke mode the configured trainer.peak_flops.
+        result["peak_flops"] = figures["peak_flops"]
         reference = None if args.smoke else TORCHTITAN_8XH100.get(mode)  # a tiny CPU model compares to nothing
         figures["ratio_to_torchtitan_8xh100"] = figures["tokens_per_s"] / reference if reference else None
         result["modes"][mode] = figures
-        print(f"{mode}: {figures['tokens_per_s']:,.0f} tokens/s/GPU, MFU {100 * figures['mfu']:.1f}%, "
+        print(f"{mode}: {figures['tokens_per_s']:,.0f} tokens/s/GPU, MFU {100 * figures['mfu']:.1f}% (the trainer's "
+              f"steady state; StepClock {figures['step_clock_tokens_per_s']:,.0f}, ratio "
+              f"{figures['trainer_over_step_clock']:.3f}; wall average {figures['tokens_per_s_wall_average']:,.0f}), "
               f"peak {figures['peak_memory_bytes'] / 2**30:.1f} GiB (planner {result['planner_memory_gb']:.1f} GB)"
               + (f"; torchtitan {reference:,.0f} (8 GPUs, 32 layers: indicative)" if reference else ""), flush=True)
     result["comparison_note"] = ("torchtitan's figures are Llama 3.1 8B on 8 H100s with FSDP over all 32 layers; "

@@ -102,3 +102,30 @@ def test_reshard_last_block_reaches_the_wrapping(fake_world: None, strategy: str
     assert reshards_after_forward([f"strategy={strategy}"]) == [True, False]
     assert reshards_after_forward([f"strategy={strategy}", "strategy.reshard_last_block=true"]) == [True, True]
     assert reshards_after_forward([f"strategy={strategy}", "strategy.reshard_after_forward=false"]) == [False, False]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_parameters_are_shards_again_after_the_final_validation(tmp_path: Any, strategy: str) -> None:
+    """A forward without backward (validation) leaves the root unit and the last block gathered (they keep
+    their parameters after a training forward for the backward that follows); the strategy frees them, so
+    that after `fit` (and during the next steps and any checkpoint) every parameter is a DTensor shard again.
+    Found on a GPU: a world of one showed plain tensors after training."""
+    from torch.distributed.tensor import DTensor
+
+    from trainer.run import build_trainer
+
+    cfg = compose([f"strategy={strategy}", "trainer.devices=1", "trainer.seq_len=32", "trainer.global_batch_size=2",
+                   "trainer.micro_batch_size=2", "trainer.max_steps=1", "trainer.val_every=0", "trainer.val_batches=1",
+                   "data.max_bytes=100000", "callbacks=none", "model.n_layers=2", "model.dim=32", "model.n_heads=2",
+                   "model.n_kv_heads=1", "model.ffn_hidden_dim=64", "lr_schedule.warmup_steps=0"])
+    trainer = build_trainer(cfg, tmp_path)
+    strategy_plugin = trainer.strategy
+    try:
+        trainer.fit()
+        assert trainer.val_history  # the final validation ran
+        kinds = {name: type(param).__name__ for name, param in trainer.model_parts[0].named_parameters()}
+        assert set(kinds.values()) == {"DTensor"}, kinds
+        assert all(isinstance(p, DTensor) for p in trainer.model_parts[0].parameters())
+    finally:
+        del trainer
+        strategy_plugin.teardown()

@@ -13,6 +13,8 @@ benchmark and prints one table). Runs go through `trainer.run.build_trainer` / `
 - `trainer.compile=true` on CUDA (Inductor/Triton) gives eager's losses;
 - zero3 and fsdp on a world of one (NCCL process group of one rank, FSDP2 DTensor shards on the GPU)
   give the single-process losses;
+- `strategy.offload_optimizer=true` (ZeRO-Offload) keeps the fp32 masters and Adam moments in host memory
+  and steps them on the CPU: the device peak falls by at least those bytes, the losses are the device's;
 - `activation_checkpointing=offload` keeps the saved activations in pinned host memory: the device peak
   drops by at least half of the planner's activation estimate, with the same losses;
 - DCP save and exact resume of device tensors: the resumed run starts from bitwise the saved weights,
@@ -281,6 +283,37 @@ def test_activation_offload_lowers_the_device_peak(tmp_path: Path) -> None:
                                                                         rel=1e-5)
 
 
+# ---- optimizer offload (ZeRO-Offload) -------------------------------------------------------------------
+# Weights rather than activations fill the device: 4 blocks of dim 1024 with a 32k vocabulary (84M
+# parameters: 1.0 GB of fp32 masters and Adam moments) on short sequences.
+OPTIMIZER_OFFLOAD = ["model.dim=1024", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden_dim=4096",
+                     "model.vocab_size=32000", "trainer.max_steps=4", "precision=bf16_true", "strategy=zero1",
+                     "trainer.devices=1"]
+
+
+def test_optimizer_offload_moves_the_states_to_the_host_and_lowers_the_device_peak(tmp_path: Path) -> None:
+    """zero1 with `strategy.offload_optimizer=true`: the fp32 masters and Adam moments live in host memory,
+    the step runs on the CPU, and the device peak falls by at least the bytes that moved; the losses are
+    those of the same run stepped on the device (fused Adam on the CPU and on the GPU: equal to rounding)."""
+    kept, _ = fit(LOOP + OPTIMIZER_OFFLOAD, tmp_path / "device")
+    offloaded, host_state = fit(LOOP + OPTIMIZER_OFFLOAD + ["strategy.offload_optimizer=true"], tmp_path / "host",
+                                lambda trainer: {_local_device(v) for state in trainer.optimizer.state.values()
+                                                 for v in state.values() if isinstance(v, torch.Tensor)})
+    held = offloaded["state_bytes_per_rank"][0]
+    assert host_state == {"cpu"}
+    assert held["optimizer"] == held["optimizer_host"] == 12 * offloaded["num_params"]  # masters + 2 moments
+    assert held["params_host"] == held["grads_host"] == 0
+    moved = held["optimizer_host"]
+    saved = kept["peak_memory_bytes_per_rank"][0] - offloaded["peak_memory_bytes_per_rank"][0]
+    assert saved >= moved, (saved / MIB, moved / MIB)
+    assert column(tmp_path / "host", "train_loss") == pytest.approx(column(tmp_path / "device", "train_loss"),
+                                                                     rel=1e-3)
+
+
+def _local_device(tensor: torch.Tensor) -> str:
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).device.type
+
+
 # ---- checkpoints and export -----------------------------------------------------------------------------
 class RecordAtStep(Callback):
     """At the end of step `step` (after the checkpoint callback saved it): the model's weights, the
@@ -507,4 +540,5 @@ def test_planner_predicts_the_device_memory_of_a_1b_llama(tmp_path: Path) -> Non
     held = summary["state_bytes_per_rank"][0]
     for kind in ("params", "grads", "optimizer"):
         assert held[kind] == pytest.approx(predicted.state_bytes[kind], rel=0.01), kind
-    assert measured == pytest.approx(predicted.memory["total"], rel=0.10), (measured / 1e9, predicted.memory_gb())
+    assert measured == pytest.approx(predicted.memory["total"], rel=0.05), (measured / 1e9, predicted.memory_gb(),
+                                                                        predicted.peak_phase)

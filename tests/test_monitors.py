@@ -46,10 +46,10 @@ def test_mfu_against_the_measured_cpu_peak_in_progress_bar_metrics_and_every_log
         # the throughput monitor measured the same interval: its FLOP/s and samples/s agree with the loop
         assert value["flops_per_s"] / peak == pytest.approx(value["mfu"], rel=1e-6)
         assert value["samples_per_s"] * seq_len == pytest.approx(value["tokens_per_s"], rel=1e-6)
-        # the step-time breakdown: forward/backward + optimizer is the training time per step
+        # the step-time breakdown: its phases are part of the interval's wall-clock time per step (which
+        # also holds the callbacks and logging)
         assert value["data_s"] > 0 and value["forward_backward_s"] > 0 and value["optimizer_s"] > 0
-        assert value["forward_backward_s"] + value["optimizer_s"] == pytest.approx(
-            tokens_per_step / value["tokens_per_s"], rel=1e-6)
+        assert value["data_s"] + value["forward_backward_s"] + value["optimizer_s"] < tokens_per_step / value["tokens_per_s"]
         assert value["peak_memory_mib/rank0"] == value["peak_memory_mib/max"] > 0
         assert value["grad_norm"] > 0 and value["lr"] > 0
         assert "comm_s" not in value  # profiling is off by default

@@ -20,7 +20,7 @@ RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 EXPECTED = {"llama2_7b_finetune_4xa100", "llama3_8b_8xh100", "llama2_70b_64xh100", "llama3_70b_64xh100",
             "budget_10b_2xrtx3090", "gpt3_175b_256xa100", "llama3_405b_1024xh100", "tiny_3d_cpu",
             "llama3_8b_128k_64xh100", "mixtral_8x7b_64xh100", "qwen3_8b_8xh100", "qwen3_235b_a22b_128xh100",
-            "deepseek_v3_671b_256xh100"}
+            "deepseek_v3_671b_256xh100", "llama2_7b_1xh100_offload"}
 # What a plan needs besides the recipe: the fine-tune reads no weights to plan.
 PLAN_EXTRA = {"llama2_7b_finetune_4xa100": ["init_from=null"]}
 

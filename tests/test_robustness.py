@@ -1,6 +1,7 @@
 """Issue 15's eight reports, one test each (the invalid inputs are in tests/test_invalid_inputs.py, the
 SIGKILL crashes in tests/test_crash.py), and the pieces behind them: the crash-safe metrics.csv, loggers
-that continue from the checkpoint, the memory preflight, the final checkpoint and an MFU never above 100%.
+that continue from the checkpoint, the memory preflight, the final checkpoint and MFU against the peak of
+the dtype the matmuls run in (an MFU above 100% is reported as measured, with a warning: issue 27).
 """
 
 from __future__ import annotations
@@ -157,23 +158,26 @@ def test_7_the_default_run_keeps_a_final_checkpoint_and_says_where(tmp_path: Pat
     assert [p.name for p in complete_checkpoints(tmp_path / "managed" / "checkpoints")] == ["step_00000006"]
 
 
-# ---- 8. MFU is never above 100% ---------------------------------------------------------------------------
-def test_8_mfu_never_exceeds_one_when_the_peak_measures_low(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A peak below what the model achieves (here 1 FLOP/s; on this CPU the fp16 matmul benchmark) is
-    raised to the achieved rate, with one warning, instead of reporting 589%."""
+# ---- 8. MFU against the right peak ------------------------------------------------------------------------
+def test_8_a_peak_below_the_run_is_kept_and_said_to_look_too_low(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A peak below what the model achieves (here 1 FLOP/s) stays the run's reference: MFU reads above 1, as
+    measured, and one warning says the peak looks too low. (Issue 15 raised the peak to the achieved rate
+    instead; issue 27 made the reference fixed, so MFU compares between the intervals of a run.)"""
     with caplog.at_level(logging.WARNING, logger="trainer"):
         summary = train(compose([o for o in TINY if not o.startswith("trainer.peak_flops")]
                                 + ["trainer.peak_flops=1"]), tmp_path)
     mfus = [float(r["mfu"]) for r in _rows(tmp_path) if r.get("mfu")]
-    assert mfus and all(0 < m <= 1.0 for m in mfus) and 0 < summary["mfu"] <= 1.0
-    assert sum("above the MFU peak" in r.getMessage() for r in caplog.records) == 1
+    assert mfus and all(m > 1.0 for m in mfus) and summary["mfu"] > 1.0
+    assert summary["peak_flops_per_device"] == 1.0
+    assert sum("looks too low" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_8_fp16_on_cpu_measures_mfu_against_a_peak_it_does_not_exceed(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_8_fp16_on_cpu_measures_mfu_against_the_faster_of_its_peaks(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 15, report 8: `precision=fp16` on a CPU without fp16 matmul units showed `mfu 589.1%`. The
     reference is the measured peak of the dtype the matmuls run in, or the fp32 peak with a note when
-    that measures higher (generic 16-bit kernels); the run's MFU stays at most 1."""
+    that measures higher (generic 16-bit kernels)."""
     import trainer.hardware as hardware
 
     real = hardware.measure_matmul_flops.__wrapped__  # the uncached measurement
@@ -184,10 +188,10 @@ def test_8_fp16_on_cpu_measures_mfu_against_a_peak_it_does_not_exceed(tmp_path: 
     assert hardware.peak_flops_with_note(torch.device("cpu"), torch.bfloat16) == (216e9, None)
     assert hardware.peak_flops_with_note(torch.device("cpu"), torch.float32) == (99e9, None)
 
-    # A real fp16 run, its peaks measured on small matrices (quick, and low: the MFU guard then acts too).
+    # A real fp16 run, its peaks measured on small matrices (quick): MFU against the larger (fp32) peak.
     monkeypatch.setattr(hardware, "measure_matmul_flops",
                         lambda device_type, dtype: real(device_type, dtype, min_seconds=0.0, max_size=256, repeats=1))
     summary = train(compose([o for o in TINY if not o.startswith("trainer.peak_flops")]
                             + ["precision=fp16", "trainer.max_steps=3"]), tmp_path)
     mfus = [float(r["mfu"]) for r in _rows(tmp_path) if r.get("mfu")]
-    assert mfus and all(0 < m <= 1.0 for m in mfus) and 0 < summary["mfu"] <= 1.0 and not math.isnan(summary["mfu"])
+    assert mfus and all(0 < m and math.isfinite(m) for m in mfus) and 0 < summary["mfu"] and math.isfinite(summary["mfu"])

@@ -8,13 +8,16 @@ import time
 
 import torch
 
-# Dense peak FLOP/s per GPU from the vendors' data sheets (without sparsity).
+# Dense peak FLOP/s per GPU from the vendors' data sheets (without sparsity). The float32 figure is the
+# TF32 tensor cores', what fp32 matmuls run at when TF32 is allowed (`torch.backends.cuda.matmul.allow_tf32`).
 GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
     "H200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
     "H100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
     "RTX 3090": {torch.bfloat16: 71e12, torch.float16: 71e12, torch.float32: 35.6e12},
 }
+# fp32 matmuls without TF32 (PyTorch's default) run on the CUDA cores: the data sheets' FP32 figure.
+GPU_FP32_PEAK_FLOPS: dict[str, float] = {"H200": 66.9e12, "H100": 66.9e12, "A100": 19.5e12, "RTX 3090": 35.6e12}
 
 
 def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -134,7 +137,8 @@ def peak_flops_with_note(device: torch.device, dtype: torch.dtype) -> tuple[floa
     """The MFU reference of matmuls in `dtype` (the dtype they actually run in: the precision's compute
     dtype) and, when it is not that dtype's own peak, a note saying which it is.
 
-    A known GPU's data-sheet peak of the dtype. Otherwise the measured matmul peak of the dtype, unless the
+    A known GPU's data-sheet peak of the dtype (fp32: TF32's when TF32 is allowed, else the CUDA cores').
+    Otherwise the measured matmul peak of the dtype, unless the
     fp32 peak measures higher: a CPU without fp16/bf16 units (no AMX, no AVX512-FP16) runs 16-bit matmuls
     through slow generic kernels, and the model's own matmuls can then beat that figure (an MFU of 589%
     was seen), so the larger fp32 peak is the reference and the note says so.
@@ -143,6 +147,9 @@ def peak_flops_with_note(device: torch.device, dtype: torch.dtype) -> tuple[floa
         name = torch.cuda.get_device_name(device)
         for key, table in GPU_PEAK_FLOPS.items():
             if key in name and dtype in table:
+                if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+                    return GPU_FP32_PEAK_FLOPS[key], ("MFU is against the fp32 CUDA-core peak: fp32 matmuls run "
+                                                      "without TF32 (torch.backends.cuda.matmul.allow_tf32 is off)")
                 return table[dtype], None
     measured = measure_matmul_flops(device.type, dtype)
     if dtype == torch.float32:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,8 +23,9 @@ from trainer.data.loader import SourceValidation, TrainLoader
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
-from trainer.memory import state_bytes
+from trainer.memory import describe_state_bytes, state_bytes
 from trainer.models.moe import collect_moe_stats, update_router_biases
+from trainer.throughput import ThroughputMeter
 
 log = logging.getLogger("trainer")
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -68,8 +70,9 @@ class Trainer:
         # used per token (a Mixture of Experts uses top_k of n_experts experts); = num_params when dense
         self.num_active_params = num_params if num_active_params is None else num_active_params
         self.flops_per_token = flops_per_token
-        self.peak_flops = peak_flops  # per device; raised to what the run achieves if it measures below it
-        self._peak_raised = False
+        # Per device, fixed for the run: a run that measures above it reports MFU above 1 (and one warning).
+        self.peak_flops = peak_flops
+        self._peak_warned = False
         self.callbacks = list(callbacks)
         self.loggers = list(loggers)
         self.run_dir = run_dir  # shared by all ranks
@@ -81,10 +84,11 @@ class Trainer:
         self.logged_metrics: dict[str, float] = {}
         self.val_history: list[tuple[int, float]] = []
         self.last_train_loss = math.nan
-        self.train_time_s = 0.0  # time spent in training steps only (no validation, no logging I/O)
-        self._start_tokens = 0
         self.state_bytes: dict[str, int] | None = None
-        self._interval = (0.0, 0)  # train time and tokens at the last log
+        # The time throughput is measured over (trainer/throughput.py): wall-clock between logged steps,
+        # read after the device has finished them, validation and checkpoints left out.
+        self.throughput_meter = ThroughputMeter(config.throughput_warmup_steps,
+                                                synchronize=lambda: self.strategy.synchronize())
         # Per-step scratch shared with callbacks: the step's outputs before the optimizer step, the
         # veto flag, and the wall time of each phase (data, forward_backward, optimizer).
         self.step_outputs: dict[str, Any] = {}
@@ -127,7 +131,18 @@ class Trainer:
         if state.get("loader") is not None:  # absent from a checkpoint saved without a loader position
             self.train_loader.load_state_dict(state["loader"])
         self._loader_state = self.train_loader.state_dict()
-        self._interval = (self.train_time_s, self.tokens_seen)  # throughput is measured from here on
+
+    @property
+    def train_time_s(self) -> float:
+        """Training time of this fit up to its last logged step (seconds, warm-up included): wall-clock,
+        the device's work included, validation and checkpoints excluded. The interval of each logged step's
+        `tokens_per_s` is the difference of two readings at logged steps."""
+        return self.throughput_meter.total.seconds
+
+    def untimed(self) -> AbstractContextManager[None]:
+        """A block whose time is not training time: validation, checkpoint saves and loads (they use it),
+        or a callback's own measurements. Nests."""
+        return self.throughput_meter.paused()
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -137,8 +152,6 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to the end and return the run summary."""
         self.start_step = self.step
-        self._start_tokens = self.tokens_seen
-        self._interval = (self.train_time_s, self.tokens_seen)
         wall_start = time.perf_counter()
         # Each callback receives the implementations of the interfaces it requires (the stabilizer's
         # rollback: the checkpoint provider); here rather than at construction, so that callbacks added
@@ -146,13 +159,17 @@ class Trainer:
         connect_callbacks(self.callbacks)
         try:
             self._call("on_fit_start")
+            self.throughput_meter.start(self.step)  # after the callbacks' set-up: training starts here
             while self.step < self.total_steps and not self.should_stop:
                 data_start = time.perf_counter()
                 microbatches = self.strategy.local_batches(next(self.train_loader))
                 self.step_timings["data_s"] = time.perf_counter() - data_start
                 self.training_step(microbatches)
                 if self.config.val_every and self.step % self.config.val_every == 0:
-                    self.validate()
+                    with self.untimed():
+                        self.validate()
+            if self.throughput_meter.open_steps:  # stopped (should_stop) after unlogged steps: count them
+                self.throughput_meter.close(self.step)
             if not self.val_history or self.val_history[-1][0] != self.step:
                 self.validate()  # the summary always reports the final model
             self._call("on_fit_end")
@@ -198,15 +215,14 @@ class Trainer:
             if self.state_bytes is None:
                 stand_ins = [stand_in for _, stand_in in self.strategy.optimizer_tensor_pairs()]
                 self.state_bytes = state_bytes(self.model_parts, self.optimizer, stand_ins)
-                log.info("state held per rank: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
-                                                            for k, v in self.state_bytes.items()))
+                log.info(f"state held per rank: {describe_state_bytes(self.state_bytes)}")
         self.strategy.zero_grad(self.model_parts, self.optimizer)
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         self._loader_state = self.train_loader.state_dict()
+        self.throughput_meter.add_step(self.tokens_per_step)
         end = time.perf_counter()
-        self.train_time_s += end - start
         # Host-side wall times of this step's phases (on CUDA, without a synchronize they show launch
         # time; a monitor that wants device time synchronizes before reading them).
         self.step_timings.update(forward_backward_s=backward_end - start, optimizer_s=end - backward_end)
@@ -231,28 +247,27 @@ class Trainer:
 
     # ---- reporting ----------------------------------------------------------------------------------
     def throughput(self, tokens: int, seconds: float) -> tuple[float, float]:
-        """Tokens/s over all ranks and model FLOP utilization against the per-device peak (at most 1)."""
+        """Tokens/s over all ranks and model FLOP utilization against the run's fixed per-device peak."""
         tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         achieved = tokens_per_s * self.flops_per_token / self.strategy.world_size  # FLOP/s per device
-        if achieved > self.peak_flops:
-            # A peak is an upper bound: a run that beats it shows the peak was measured too low (a short
-            # start-up measurement, turbo clocks, a faster kernel than the benchmark's). The achieved rate is
-            # a truer lower bound of the peak, so MFU never reads above 100%.
-            if not self._peak_raised and self.is_global_zero:
-                log.warning(f"the model ran at {achieved / 1e9:.1f} GFLOP/s per device, above the MFU peak of "
-                            f"{self.peak_flops / 1e9:.1f} GFLOP/s: the peak is raised to it (set trainer.peak_flops "
-                            "for a fixed one)")
-            self._peak_raised = True
-            self.peak_flops = achieved
         mfu = achieved / self.peak_flops if self.peak_flops > 0 else 0.0
+        if mfu > 1.0 and not self._peak_warned:
+            # Reported as measured: a peak moved to what the run achieves would make MFU incomparable
+            # between the intervals of one run, and hide that the reference is wrong (a short start-up
+            # measurement on a busy CPU, turbo clocks, a GPU missing from the table).
+            self._peak_warned = True
+            if self.is_global_zero:
+                log.warning(f"MFU {100 * mfu:.1f}%: the model ran at {achieved / 1e9:.1f} GFLOP/s per device, above "
+                            f"the peak of {self.peak_flops / 1e9:.1f} GFLOP/s MFU is measured against; that peak "
+                            "looks too low (set trainer.peak_flops to the device's peak)")
         return tokens_per_s, mfu
 
     def log_step(self, outputs: dict[str, Any]) -> None:
-        # .item() synchronizes with the device, so it happens only on logged steps.
+        # .item() synchronizes with the device, so it happens only on logged steps; so does the interval's
+        # close, which waits for the whole device (all streams) before it reads the clock.
         self.last_train_loss = self.strategy.reduce_mean(outputs["loss"]).item()
-        last_time, last_tokens = self._interval
-        tokens_per_s, mfu = self.throughput(self.tokens_seen - last_tokens, self.train_time_s - last_time)
-        self._interval = (self.train_time_s, self.tokens_seen)
+        interval = self.throughput_meter.close(self.step)
+        tokens_per_s, mfu = self.throughput(interval.tokens, interval.seconds)
         self.log({
             "train_loss": self.last_train_loss,
             "lr": outputs["lr"],
@@ -281,9 +296,35 @@ class Trainer:
             for logger in self.loggers:
                 logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
 
+    def throughput_figures(self) -> dict[str, Any]:
+        """The run's throughput for the summary: `tokens_per_s` and `mfu` in the steady state (after the
+        warm-up, trainer/throughput.py), or over the whole training when the run ended before a steady
+        window (`throughput_window`: steady, whole_run, or none when this process trained no step;
+        `throughput_window_steps`: the first and last step it covers); beside them the averages over the
+        whole training (`*_wall_average`: warm-up included, validation and checkpoints not), and that
+        training time (`train_s`)."""
+        meter = self.throughput_meter
+        whole_tokens_per_s, whole_mfu = self.throughput(meter.total.tokens, meter.total.seconds)
+        if meter.steady.steps > 0 and meter.steady_after is not None:
+            window, first = "steady", meter.steady_after
+            tokens_per_s, mfu = self.throughput(meter.steady.tokens, meter.steady.seconds)
+            seconds = meter.steady.seconds
+        else:  # too short: no logged step after the warm-up with steps after it (or no step at all)
+            window, first = "whole_run" if meter.total.steps else "none", meter.first_step
+            tokens_per_s, mfu, seconds = whole_tokens_per_s, whole_mfu, meter.total.seconds
+        return {
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "throughput_window": window,
+            "throughput_window_steps": [first + 1, meter.last_step],  # first and last step, inclusive
+            "throughput_window_s": seconds,
+            "tokens_per_s_wall_average": whole_tokens_per_s,
+            "mfu_wall_average": whole_mfu,
+            "train_s": meter.total.seconds,
+        }
+
     def summary(self, wall_s: float) -> dict[str, Any]:
-        tokens = self.tokens_seen - self._start_tokens
-        tokens_per_s, mfu = self.throughput(tokens, self.train_time_s)
+        """The run's record (summary.json). Throughput: see `throughput_figures`."""
         val_losses = [loss for _, loss in self.val_history]
         return {
             "num_params": self.num_params,
@@ -295,9 +336,7 @@ class Trainer:
             "optimizer_steps": self.optimizer_steps,  # steps minus skipped updates
             "tokens": self.tokens_seen,
             "wall_s": wall_s,
-            "train_s": self.train_time_s,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu,
+            **self.throughput_figures(),
             "peak_flops_per_device": self.peak_flops,
             "flops_per_token": self.flops_per_token,
             "world_size": self.strategy.world_size,

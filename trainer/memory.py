@@ -48,7 +48,7 @@ def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimiz
     copies, not views, of them (bf16_true's fp32 master weights); ZeRO-1's sharded views share their
     parameter's storage and are not counted again. `grads` counts the parameters' gradients and those the
     stepped tensors or the strategy's `stand_ins` hold in storage of their own (ZeRO-2's partition). On a
-    GPU, `host` is the part of those bytes in host memory (offloaded)."""
+    GPU, `host` is the part of those bytes in host memory (offloaded), and `<kind>_host` each kind's part."""
     params = [p for part in model_parts for p in part.parameters()]
     states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     param_storages = {storage_address(p) for p in params}
@@ -64,8 +64,25 @@ def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimiz
     held = {kind: _bytes(tensors) for kind, tensors in kinds.items()}
     if any(_local(p).device.type == "cuda" for p in params):
         # offloaded states (FSDP's CPUOffloadPolicy, ZeRO-Offload's optimizer) sit in host memory
-        held["host"] = sum(_bytes(t for t in tensors if _local(t).device.type == "cpu") for tensors in kinds.values())
+        on_host = {f"{kind}_host": _bytes(t for t in tensors if _local(t).device.type == "cpu")
+                   for kind, tensors in kinds.items()}
+        held["host"] = sum(on_host.values())
+        held.update(on_host)
     return held
+
+
+def describe_state_bytes(held: dict[str, int]) -> str:
+    """`state_bytes`' figures for the log: each kind in MiB, and where it lives when any is offloaded."""
+    parts = []
+    for kind in ("params", "grads", "optimizer"):
+        text = f"{kind} {held[kind] / 2**20:.2f} MiB"
+        host = held.get(f"{kind}_host", 0)
+        if host:
+            text += " (all in host memory)" if host == held[kind] else f" ({host / 2**20:.2f} MiB in host memory)"
+        parts.append(text)
+    if "host" in held:
+        parts.append(f"on the device {(held['params'] + held['grads'] + held['optimizer'] - held['host']) / 2**20:.2f} MiB")
+    return ", ".join(parts)
 
 
 def live_tensor_bytes() -> int:

@@ -284,17 +284,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _copy_of(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | None, pin: bool = False) -> torch.Tensor:
-    """A copy of `tensor` in `dtype` on `device` (None: where it is), in the same DTensor layout. With `pin`,
-    a copy in host memory of a CUDA tensor is pinned, so its transfers run at full speed."""
+def _copy_of(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `tensor` in `dtype` where it is, in the same DTensor layout."""
     from torch.distributed.tensor import DTensor
 
-    local = _local(tensor.detach())
-    # a meta tensor (the planner's exact mode counts shapes) has no data to move: its copy stays on meta
-    target = local.device if device is None or local.device.type == "meta" else device
-    copy = local.to(device=target, dtype=dtype, copy=True)
-    if pin and copy.device.type == "cpu" and local.device.type == "cuda":
-        copy = copy.pin_memory()
+    copy = _local(tensor.detach()).to(dtype=dtype, copy=True)
     if isinstance(tensor, DTensor):
         return DTensor.from_local(copy, tensor.device_mesh, tensor.placements, run_check=False,
                                   shape=tensor.shape, stride=tensor.stride())
@@ -302,9 +296,9 @@ def _copy_of(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | No
 
 
 class SteppedCopies:
-    """Copies of the tensors an optimizer updates, stepped in their place: fp32 master weights of
-    lower-precision parameters (`dtype=torch.float32`), and/or copies in host memory (`device=cpu`,
-    ZeRO-Offload: the optimizer's states then live, and its step runs, in host memory).
+    """Copies of the tensors an optimizer updates, stepped in their place on the same device: fp32
+    master weights of lower-precision parameters (bf16_true). The host-memory variant (ZeRO-Offload) is
+    `trainer.offload.HostSteppedCopies`.
 
     Installed by replacing the optimizer's parameter-group entries before its first step (its state is
     still empty then). Works for whatever tensors the strategy gave the optimizer: parameters, FSDP or
@@ -312,30 +306,35 @@ class SteppedCopies:
     copies, steps, and writes the results back (rounded to the tensors' dtype).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None) -> None:
         if optimizer.state:
             raise RuntimeError("stepped copies must be installed before the optimizer's first step")
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in optimizer.param_groups:
             copies = []
             for tensor in group["params"]:
-                copy = _copy_of(tensor, dtype or tensor.dtype, device, pin=True)
+                copy = _copy_of(tensor, dtype or tensor.dtype)
                 self.pairs.append((tensor, copy))
                 copies.append(copy)
             group["params"] = copies
+        self.verify = True  # compare the copies with the tensors at the next step (see `weights_written`)
+
+    def weights_written(self) -> None:
+        """The tensors were written from outside (a checkpoint, init_from): check the copies at the next step."""
+        self.verify = True
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         for tensor, copy in self.pairs:
+            local, local_copy = _local(tensor), _local(copy)
             # A tensor whose value is no longer its copy's rounding was written from outside (init_from,
             # a checkpoint saved without the copies): its copy restarts from it. Local shards only, so no
             # collective is needed (each rank refreshes what it holds).
-            local, local_copy = _local(tensor), _local(copy)
-            if not torch.equal(local_copy.to(local.device, local.dtype), local):
+            if self.verify and not torch.equal(local_copy.to(local.dtype), local):
                 local_copy.copy_(local)
-            copy.grad = None if tensor.grad is None else _copy_of(tensor.grad, copy.dtype, _local(copy).device)
+            copy.grad = None if tensor.grad is None else _copy_of(tensor.grad, copy.dtype)
+        self.verify = False
         optimizer.step()
         for tensor, copy in self.pairs:
-            _local(tensor).copy_(_local(copy), non_blocking=True)  # rounds to the tensor's dtype
+            _local(tensor).copy_(_local(copy))  # rounds to the tensor's dtype
             copy.grad = None

@@ -240,6 +240,20 @@ def save_final_checkpoint(trainer: Trainer) -> Path:
     return path
 
 
+def throughput_line(summary: dict[str, Any]) -> str:
+    """The run's throughput for its final log line: the steady-state figure (after the warm-up) with the
+    average over the whole training beside it, named, or the whole-run figure when there was no steady
+    window."""
+    first, last = summary["throughput_window_steps"]
+    line = f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%"
+    if summary["throughput_window"] == "steady":
+        return (f"{line} (steady state, steps {first}-{last}; wall average over all training "
+                f"{summary['tokens_per_s_wall_average']:,.0f} tokens/s, MFU {100 * summary['mfu_wall_average']:.1f}%)")
+    if summary["throughput_window"] == "none":
+        return "no training step in this run"
+    return f"{line} (whole run, steps {first}-{last}: too short for a steady state after the warm-up)"
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train the configured model; write summary.json into run_dir and return the summary."""
     # What exists before the run (the imported modules, torch's and Hydra's state: some 300,000 objects) is
@@ -258,8 +272,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if trainer.is_global_zero:
         path = trainer.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
-        log.info(f"final val_loss {summary['final_val_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-                 f"MFU {100 * summary['mfu']:.1f}%")
+        log.info(f"final val_loss {summary['final_val_loss']:.4f}, {throughput_line(summary)}")
         log.info(f"summary: {path}")
         if final is not None:  # the run's last line: where its result is
             log.info(f"final checkpoint: {final} (resume=auto in this run directory continues from it)")

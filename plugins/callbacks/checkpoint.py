@@ -197,7 +197,8 @@ class CheckpointManager(CheckpointProvider):
         assert pending is not None and self._trainer is not None
         error: Optional[BaseException] = None
         try:
-            pending.wait()
+            with self._trainer.untimed():  # waiting for a checkpoint is not training time
+                pending.wait()
         except CheckpointError as failure:
             error = failure
         failures = self._trainer.strategy.all_gather_object(None if error is None else str(error))

@@ -5,8 +5,8 @@ mfu, also in summary.json, with or without callbacks); the monitors add what exp
 logging any of those again:
 
 - `ThroughputMonitor`: samples/s and achieved model FLOP/s over exactly the loop's logging interval
-  (the same training time the loop's tokens_per_s and mfu are measured over, so
-  `flops_per_s / (peak x world) == mfu`), the mean step-time breakdown of the interval (data,
+  (the same training time as the loop's tokens_per_s and mfu: `trainer.train_time_s` read at logged
+  steps, so `flops_per_s / (peak x world) == mfu`), the mean step-time breakdown of the interval (data,
   forward/backward, optimizer from `trainer.step_timings`) and, where a profiler can see it, the time
   the step had collectives in flight.
 - `MemoryMonitor`: peak memory of every rank (all ranks take part in one gather per logged step).
@@ -90,7 +90,9 @@ class ThroughputMonitor(Callback):
     - `samples_per_s`, `flops_per_s`: sequences and model FLOPs (Narayanan et al. 2021, the same
       `flops_per_token` as the loop's mfu) per second of training time over all ranks, computed with
       Lightning's `Throughput` with the whole job as one device whose peak is `peak_flops x world`;
-    - `data_s`, `forward_backward_s`, `optimizer_s`: mean seconds per step of each phase;
+    - `data_s`, `forward_backward_s`, `optimizer_s`: mean seconds per step of each phase (host-side: on
+      CUDA they show launch time; the interval's time per step, which also holds the callbacks and the
+      wait for the device, is `tokens_per_step / tokens_per_s`);
     - `comm_s` on the profiled steps when `comm_every > 0` (see ThroughputMonitorConfig).
 
     tokens/s and MFU are the loop's (`tokens_per_s`, `mfu`): logged once, by the loop.

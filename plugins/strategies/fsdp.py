@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from trainer.interfaces.strategy import MicroBatch
 from trainer.models.moe import moe_layers
 from trainer.plugins.strategies.distributed import DistributedStrategy
 
@@ -233,6 +234,24 @@ class FSDP(DistributedStrategy):
     def reduce_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         super().reduce_gradients(model_parts)
         self.scale_expert_gradients(model_parts)
+
+    @torch.no_grad()
+    def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
+        loss = super().evaluate(model_parts, batches)
+        reshard_gathered(model_parts)
+        return loss
+
+
+def reshard_gathered(model_parts: Sequence[nn.Module]) -> None:
+    """Free the parameters a forward without backward (validation) left gathered.
+
+    The root unit and the last block (`reshard_last_block`) keep theirs after the forward because a
+    training backward needs them next; after an evaluation none follows, and they would stay whole
+    through the next step and any checkpoint, as plain tensors instead of DTensor shards."""
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 @contextlib.contextmanager

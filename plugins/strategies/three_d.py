@@ -36,7 +36,7 @@ from trainer.interfaces.strategy import MicroBatch
 from trainer.models.moe import moe_layers
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
 from trainer.plugins.strategies.distributed import DistributedStrategy
-from trainer.plugins.strategies.fsdp import FSDPOptions, FSDPSharding, accumulation_flags
+from trainer.plugins.strategies.fsdp import FSDPOptions, FSDPSharding, accumulation_flags, reshard_gathered
 from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
 from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
 from trainer.plugins.strategies.tensor_parallel import (
@@ -257,8 +257,11 @@ class ThreeD(DistributedStrategy):
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch]) -> float:
         if self.pipeline is None:
-            return super().evaluate(model_parts, batches)
-        return self.reduce_mean(self.pipeline.evaluate(model_parts, batches, self.loss_normalizer(batches))).item()
+            loss = super().evaluate(model_parts, batches)
+        else:
+            loss = self.reduce_mean(self.pipeline.evaluate(model_parts, batches, self.loss_normalizer(batches))).item()
+        reshard_gathered(model_parts)
+        return loss
 
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         # sequence-parallel norm weights hold partial gradients: reduce them before any norm is taken

@@ -159,8 +159,14 @@ def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manu
     the manifest and renames the directory to `path`, so `path` only ever exists complete. With
     `asynchronous`, the state is copied to host memory, written in a background thread over
     `process_group` (a gloo group other than the training one), and a PendingCheckpoint is returned.
+    Its time is not training time: the run's tokens/s leaves it out (`Trainer.untimed`).
     """
-    path = Path(path)
+    with trainer.untimed():
+        return _save_checkpoint(trainer, Path(path), reason, metrics, asynchronous, process_group)
+
+
+def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optional[dict[str, float]],
+                     asynchronous: bool, process_group: Any) -> Path | PendingCheckpoint:
     strategy = trainer.strategy
     partial = partial_path(path)
     error: Optional[BaseException] = None
@@ -222,9 +228,13 @@ def load_checkpoint(trainer: "Trainer", path: Path | str, *, weights_only: bool 
     random generators too when the world size is unchanged (each rank its own). `weights_only` loads
     the model weights alone (a fine-tune starting from a checkpoint). Every file is checked against the
     manifest first: a damaged checkpoint raises CheckpointCorruptError naming the file, on every rank.
-    Returns the manifest.
+    Returns the manifest. Its time is not training time (a rollback's load: `Trainer.untimed`).
     """
-    path = Path(path)
+    with trainer.untimed():
+        return _load_checkpoint(trainer, Path(path), weights_only, verify)
+
+
+def _load_checkpoint(trainer: "Trainer", path: Path, weights_only: bool, verify: bool) -> dict[str, Any]:
     strategy = trainer.strategy
     manifest = read_manifest(path)
     problems = architecture_mismatch(manifest.get("model"), model_config_dict(trainer))
@@ -275,6 +285,7 @@ def load_checkpoint(trainer: "Trainer", path: Path | str, *, weights_only: bool 
 
     load_model_state(trainer.model_parts, {key[len(MODEL_PREFIX):]: value for key, value in state.items()
                                            if key.startswith(MODEL_PREFIX)})
+    trainer.precision.weights_written()  # copies the optimizer steps (masters, offloaded) follow the weights
     if weights_only:
         return manifest
     if entries:

@@ -90,6 +90,7 @@ def resume(trainer: "Trainer", source: str = "auto", init_from: Optional[str] = 
             load_checkpoint(trainer, weights, weights_only=True)
         elif is_hf_model(weights):
             load_hf_weights(trainer, weights)
+            trainer.precision.weights_written()
         else:
             raise CheckpointError(f"init_from={init_from}: neither a checkpoint (checkpoint.json) nor a Hugging Face "
                                   "model directory (config.json + *.safetensors)")

@@ -49,6 +49,11 @@ class TrainerConfig:
     val_batches: int = 4
     # Write metrics every N optimizer steps.
     log_every: int = 10
+    # Steps of warm-up that summary.json's tokens_per_s and mfu leave out (compilation, the allocator's
+    # growth): the first N steps of the run and the rest of the logging interval they end in, as the clock
+    # is only read, after waiting for the device, at logged steps. A run too short for a later logged step
+    # reports the whole run (summary.json: throughput_window). 0: the whole run.
+    throughput_warmup_steps: int = 2
     # Clip the global gradient norm to this value (0 disables clipping; the norm is logged anyway).
     grad_clip: float = 1.0
     # torch.compile each transformer block.

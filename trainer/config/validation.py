@@ -52,6 +52,8 @@ def _validate_trainer(t: DictConfig) -> None:
     for key in ("devices", "num_nodes", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
                 "val_batches"):
         _require(t[key] >= 1, f"trainer.{key}", f"must be >= 1, got {t[key]}")
+    _require(t.throughput_warmup_steps >= 0, "trainer.throughput_warmup_steps",
+             f"must be >= 0 (0: no warm-up left out), got {t.throughput_warmup_steps}")
     _require(t.val_every >= 0, "trainer.val_every", f"must be >= 0 (0: validate only at the end), got {t.val_every}")
     _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
     _require(t.accelerator in ACCELERATORS, "trainer.accelerator",

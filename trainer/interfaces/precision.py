@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from trainer.offload import HostSteppedCopies
 from trainer.optim import SteppedCopies
 
 if TYPE_CHECKING:
@@ -91,8 +92,19 @@ class Precision:
         master weights of lower-precision parameters (bf16_true), or when the strategy offloads the
         optimizer to `host` memory (ZeRO-Offload: states, masters and the step all live there)."""
         master = self.master_weights and self.param_dtype != torch.float32
-        if (master or host is not None) and self.copies is None:
-            self.copies = SteppedCopies(optimizer, torch.float32 if master else None, host)
+        if self.copies is not None:
+            return
+        if host is not None:
+            self.copies = HostSteppedCopies(optimizer, torch.float32 if master else None)
+        elif master:
+            self.copies = SteppedCopies(optimizer, torch.float32)
+
+    def weights_written(self) -> None:
+        """The strategy's tensors were written from outside the optimizer (a checkpoint or init_from
+        loaded weights): copies the optimizer steps in their place are checked against them at the next
+        step, and restart from them where they differ."""
+        if self.copies is not None:
+            self.copies.weights_written()
 
     def optimizer_tensor_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(tensor the strategy gave the optimizer, the copy the optimizer steps in its place) pairs, so

@@ -343,6 +343,13 @@ class Strategy:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
 
+    def synchronize(self) -> None:
+        """Wait until this rank's device has finished all the work queued so far (CUDA kernels run
+        asynchronously; on CPU the work is done when a call returns). The loop calls it before reading the
+        clock that ends a logged interval (trainer/throughput.py), never on unlogged steps."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- collectives (identity with one process) ------------------------------------------------------
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

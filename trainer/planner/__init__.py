@@ -4,8 +4,9 @@
 `hardware` group) and answers whether it fits, with what margin, how fast it should run, and, with
 `plan.search=true` or when it does not fit, which configurations of the same world size fit best.
 Modules: params (parameter inventory), layout (what a config means), memory (ZeRO-aware state bytes),
-activations (Korthikanti et al. 2022), communication, timing (Narayanan et al. 2021 FLOPs, bubble, MFU),
-exact (meta device + fake process group), search, report.
+activations (Korthikanti et al. 2022, with what bf16 autocast adds), phases (the device peak: the largest
+phase of a step, counting the gradients present then), communication, timing (Narayanan et al. 2021 FLOPs,
+bubble, MFU), exact (meta device + fake process group), search, report.
 """
 
 from trainer.planner.core import Plan, Suggestion, plan

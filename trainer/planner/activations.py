@@ -14,24 +14,44 @@ dropout masks, sequence length s, micro-batch b, hidden size h, a heads, tensor-
 `korthikanti_layer_bytes` is that table. The planner itself counts a list of saved tensors per block
 (`saved_tensors`): for GPT with `attn_impl=materialized` the list is Korthikanti's term by term (so it
 reproduces the table), and for the Llama blocks it is what their forward saves in this code base, measured
-with `torch.autograd.graph.saved_tensors_hooks` (tests/test_planner.py checks the sum against a run):
+with `torch.autograd.graph.saved_tensors_hooks` (tests/test_planner.py checks the sum against a run).
+With e = bytes of the compute dtype, r = bytes of the residual stream (`Layout.residual_bytes`: e in fp32
+and bf16_true; 4 under bf16/fp16 autocast over fp32 weights, which leaves the embedding, the residual adds
+and the norms in fp32), k = projections reading one norm output (1; under autocast each casts it itself):
 
-    RMSNorm (x2)            input, x * rstd (e bytes each), rstd (fp32 per token)       split by SP
-    norm output (x2)        input of wq/wk/wv and of w1/w3 (e)                          not split: TP gathers it
+    RMSNorm (x2)            CUDA (fused kernel): input (r), rstd (fp32 per token)        split by SP
+                            CPU (composite, in fp32): input (upcast to fp32), x * rstd (fp32), rstd
+    norm output (x2)        input of wq/wk/wv (k = 3) and of w1/w3 (k = 2), e each      not split: TP gathers it
     fused SDPA              q, k, v, output (e), logsumexp (fp32 per head and token)    split by TP
     SwiGLU                  w1 x, w3 x, silu(w1 x), their product (e, width ffn_dim)    split by TP
+    autocast weight copies  each matmul's e-byte copy of its fp32 weight                 as the weights
 
-    = e sb (8h + 2 h_kv + 4 f) + 4 abs + 8 sb bytes per layer without parallelism (e = activation bytes:
-      2 under bf16/fp16 autocast, 4 in fp32; no s^2 term: SDPA never materializes the scores).
+    on CUDA: e sb (4h + 2 h_kv + 4 f) + r sb 2h + 4 abs + 8 sb bytes per layer without parallelism (no s^2
+    term: SDPA never materializes the scores); the CPU adds x * rstd, 4 sb 2h; bf16 autocast over fp32
+    weights adds 3 e sb h (the extra casts of the norm outputs) and e x (the block's matmul weights).
+    Measured on an H200 (Llama 3 8B width, s = 8192, bf16 autocast): 2,148,598,784 bytes per block
+    against 2,148,597,760 counted here; selective 907,019,264 against 907,018,240; full the fp32 block
+    input, 134,217,728 (benchmarks/gpu_memory.py, issue 27).
+
+Under autocast, a checkpointed block's weight casts are not saved (selective recomputes them, full keeps
+only the block input) but autocast's cache holds them until the forward's autocast region ends: a
+transient of the forward (`cast_cache`). The head keeps its input (e), its weight's cast, and the fp32
+log-probabilities of the loss (`trainer.loss.cross_entropy_loss` upcasts the logits); the training step
+holds the logits themselves until the backward is done (`held_logits`), and the loss's backward makes two
+fp32 tensors of the logits' size (`loss_backward`). How these combine into a peak: trainer/planner/phases.py.
 
 On the CPU, torch's dropout keeps its masks in the activation dtype (not 1-byte bools) and SDPA with
 dropout takes its math path (the scores exist): the estimate follows the device (`device_type`), and
 measures within 0.3% of the tiny Llama and a small GPT (benchmarks/planner_accuracy.py, tests).
 
 Differences from Korthikanti's accounting for Llama: no dropout masks, SwiGLU's four ffn-wide tensors
-instead of GeLU's two 4h-wide ones, grouped-query k/v, RMSNorm's saved normalized input, and under
-tensor parallelism torch's DTensor keeps the all-gathered input of the column-parallel projections
-(Megatron-LM gathers it again in the backward instead).
+instead of GeLU's two 4h-wide ones, grouped-query k/v, RMSNorm's saved normalized input on the CPU, and
+under tensor parallelism torch's DTensor keeps the all-gathered input of the column-parallel projections
+(Megatron-LM gathers it again in the backward instead). Korthikanti counts 16-bit activations throughout
+(Megatron's fp16 weights): this code base's autocast over fp32 weights adds the fp32 residual stream,
+one input cast per projection and the weight casts. Not modelled under autocast: GPT's materialized
+softmax (autocast runs it in fp32), the MoE router's and experts' casts beyond their weights, Qwen3's q/k
+norms in fp32.
 
 Policies (`activation_checkpointing=`): `attention` keeps everything but the attention core's internals
 (Korthikanti's selective recompute); `selective` keeps the block input and the outputs of matmuls and fused
@@ -52,7 +72,7 @@ from dataclasses import dataclass, field
 
 from trainer.planner.layout import Layout
 from trainer.planner.memory import RankPart, rank_part
-from trainer.planner.params import ModelInventory
+from trainer.planner.params import ModelInventory, ParamSpec
 
 # What a saved tensor's size divides by: always by t (its heads or width are split), by t only with
 # sequence parallelism (norms, residual stream, dropout masks), or never (replicated on the tp ranks).
@@ -94,9 +114,32 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))
 
 
+def rms_norm_saved(name: str, elements: float, tokens: float, r: int, fused: bool, kept_by: frozenset[str],
+                   block_input: bool = False) -> list[Saved]:
+    """What one RMSNorm over `elements` values of `tokens` tokens keeps, its input being `r` bytes wide.
+
+    CUDA runs torch's fused kernel (`aten._fused_rms_norm`), which keeps its input and the fp32 inverse
+    RMS; the CPU runs the composite, which computes in fp32 and keeps x (an fp32 upcast of it when the
+    input is narrower), x * rstd (fp32) and rstd. A block's first norm reads the block input: what full
+    and selective checkpointing keep instead of everything (`block_input`).
+    """
+    rstd = Saved(f"{name} rstd", tokens, 4, SP)
+    if fused:
+        return [Saved(f"{name} input", elements, r, SP, kept_by, block_input=block_input), rstd]
+    if r >= 4:
+        saved = [Saved(f"{name} input", elements, r, SP, kept_by, block_input=block_input)]
+    else:
+        saved = [Saved(f"{name} input upcast to fp32", elements, 4, SP, kept_by - {"selective"})]
+        if block_input:  # what checkpointing keeps: the block input itself
+            saved.append(Saved(f"{name} input (block input)", elements, r, SP, frozenset({"selective"}),
+                               block_input=True))
+    return saved + [Saved(f"{name} x*rstd", elements, 4, SP), rstd]
+
+
 def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int = 1,
                   materialized: bool | None = None, score_len: int | None = None,
-                  all_to_all: bool = False) -> list[Saved]:
+                  all_to_all: bool = False, *, residual_bytes: int | None = None, casts: bool = False,
+                  fused_norm: bool = False, cast_weights: float = 0.0) -> list[Saved]:
     """The tensors one transformer block saves for the backward (per micro-batch of b sequences of s).
 
     `mask_bytes`: bytes per element of a dropout mask: 1 on CUDA (bool masks, Korthikanti's assumption);
@@ -106,7 +149,18 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
     context parallelism a rank's s/cp tokens' worth of heads see the whole sequence). `all_to_all`: fused
     attention's own output is then a tensor of its own (the all-to-all back to token shards makes another),
     kept beside the output projection's input.
+
+    Number formats: `e` bytes for what the matmuls and attention produce (the compute dtype),
+    `residual_bytes` (default e) for the residual stream and what the norms read: fp32 under bf16/fp16
+    autocast over fp32 weights, where embeddings, residual adds and norms stay in fp32. With `casts`
+    (autocast over wider weights) each matmul casts its fp32 input itself, so the projections reading one
+    norm output each keep their own e-byte copy (wq, wk, wv: 3; w1, w3: 2), and each keeps autocast's
+    e-byte copy of its weight: `cast_weights` elements per block (this rank's matmul weights), kept by
+    `none` and `attention` only (`selective` recomputes the casts, `full` keeps the block input alone).
+    `fused_norm`: CUDA's fused RMSNorm (see `rms_norm_saved`).
     """
+    r = e if residual_bytes is None else residual_bytes
+    weight_copies = [Saved("autocast copies of the matmul weights", cast_weights, e, FULL)] if casts else []
     if materialized is None:
         materialized = inv.attn_impl == "materialized"
     h, f, a = inv.dim, inv.ffn_dim, inv.n_heads
@@ -135,11 +189,11 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
                 attention.append(Saved("attention output before the all-to-all", sb * h, e, TP,
                                        frozenset({"none", "selective"})))
         return [
-            Saved("layernorm 1 input", sb * h, e, SP, selective, block_input=True),
+            Saved("layernorm 1 input", sb * h, r, SP, selective, block_input=True),
             Saved("qkv projection input", sb * h, e, SP),
             *attention,
             Saved("attention dropout mask (residual)", sb * h * mask, mask_bytes, SP),
-            Saved("layernorm 2 input", sb * h, e, SP),
+            Saved("layernorm 2 input", sb * h, r, SP),
             Saved("fc1 input", sb * h, e, SP),
             Saved("gelu input", sb * f, e, TP),
             Saved("fc2 input", sb * f, e, TP),
@@ -150,6 +204,7 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
             Saved("output projection output", sb * h, e, FULL, frozenset({"selective"})),
             Saved("fc1 output", sb * f, e, TP, frozenset({"selective"})),
             Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
+            *weight_copies,
         ]
     q, kv = inv.attention_dim, inv.kv_dim
     exchanged = [Saved("attention output before the all-to-all", sb * q, e, TP, frozenset({"none", "selective"}))]
@@ -157,21 +212,21 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
     qk_norm = [Saved("q_norm/k_norm input (wq/wk outputs)", sb * (q + kv), e, TP),
                Saved("q_norm/k_norm x*rstd", sb * (q + kv), e, TP),
                Saved("q_norm/k_norm rstd", sb * (a + inv.n_kv_heads), 4, TP)]
+    # under autocast each projection casts the (fp32) norm output itself: one copy per reader
+    attention_readers, ffn_readers = (3, 2) if casts else (1, 1)
+    each = " (each projection's own cast)" if casts else ""
     return [*(exchanged if all_to_all else []), *(qk_norm if inv.qk_norm else []),
-        Saved("attention_norm input (block input)", sb * h, e, SP, selective, block_input=True),
-        Saved("attention_norm x*rstd", sb * h, e, SP),
-        Saved("attention_norm rstd", sb, 4, SP),
-        Saved("wq/wk/wv input (gathered norm output)", sb * h, e, FULL),
+        *rms_norm_saved("attention_norm", sb * h, sb, r, fused_norm, selective, block_input=True),
+        Saved(f"wq/wk/wv input (gathered norm output){each}", attention_readers * sb * h, e, FULL),
         Saved("q after RoPE", sb * q, e, TP),
         Saved("k, v after RoPE", 2 * sb * kv, e, TP),
         Saved("attention output (wo input)", sb * q, e, TP, selective),
         Saved("attention logsumexp", a * sb, 4, TP, frozenset({"none", "selective"})),
-        Saved("ffn_norm input", sb * h, e, SP),
-        Saved("ffn_norm x*rstd", sb * h, e, SP),
-        Saved("ffn_norm rstd", sb, 4, SP),
-        Saved("w1/w3 input (gathered norm output)", sb * h, e, FULL),
+        *rms_norm_saved("ffn_norm", sb * h, sb, r, fused_norm, KEEP_ALL),
+        Saved(f"w1/w3 input (gathered norm output){each}", ffn_readers * sb * h, e, FULL),
         Saved("w1 x, w3 x", 2 * sb * f, e, TP, selective),
         Saved("silu(w1 x), product (w2 input)", 2 * sb * f, e, TP),
+        *weight_copies,
         # op-level selective: matmul outputs kept in place of what is recomputed from them
         Saved("wq/wk/wv outputs (before RoPE)", sb * (q + 2 * kv), e, TP, frozenset({"selective"})),
         Saved("wo, w2 outputs (partial sums under TP)", 2 * sb * h, e, FULL, frozenset({"selective"})),
@@ -179,15 +234,23 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
     ]
 
 
-def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_parallel: bool) -> list[Saved]:
-    """What the last stage keeps beyond its blocks: final norm, output head input, fp32 log-probabilities
-    (the loss runs in fp32: `trainer.loss.cross_entropy_loss`)."""
+def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_parallel: bool, *,
+                       residual_bytes: int | None = None, fused_norm: bool = False,
+                       cast_weights: float = 0.0) -> list[Saved]:
+    """What the last stage keeps beyond its blocks: final norm, output head input, autocast's copy of the
+    head's weight (`cast_weights` elements, under autocast over wider weights), fp32 log-probabilities
+    (the loss runs on fp32 logits: `trainer.loss.cross_entropy_loss`; its log-softmax keeps its output).
+    The logits themselves are not saved by anything: the training step holds them (`held_logits`)."""
     sb, h = s * b, inv.dim
-    norm = [Saved("final norm input", sb * h, e, SP)]
-    if inv.family != "gpt":  # RMSNorm keeps x*rstd and rstd (Llama, DeepSeek-V3)
-        norm += [Saved("final norm x*rstd", sb * h, e, SP), Saved("final norm rstd", sb, 4, SP)]
+    r = e if residual_bytes is None else residual_bytes
+    if inv.family == "gpt":  # LayerNorm keeps its input (and per-token mean and rstd)
+        norm = [Saved("final norm input", sb * h, r, SP)]
+    else:  # RMSNorm (Llama, DeepSeek-V3)
+        norm = rms_norm_saved("final norm", sb * h, sb, r, fused_norm, KEEP_ALL)
+    copy = [Saved("autocast copy of the output head's weight", cast_weights, e, FULL)] if cast_weights else []
     return norm + [
         Saved("output head input", sb * h, e, FULL if inv.family != "gpt" else SP),
+        *copy,
         Saved("log-softmax (fp32)", sb * inv.vocab_size, 4, TP if loss_parallel else FULL),
     ]
 
@@ -243,7 +306,9 @@ def checkpointed_layers(layout: Layout, inv: ModelInventory, pp_rank: int) -> in
 
 @dataclass
 class ActivationEstimate:
-    """Activation memory of one rank at its peak (bytes) and how it was obtained."""
+    """Activation memory of one rank (bytes) and how it was obtained. `device` is what the forward saves
+    for the backward (every in-flight micro-batch); the other figures are what exists beside it at the
+    phases of a step (trainer/planner/phases.py)."""
 
     per_layer_none: float  # one layer, one micro-batch, nothing recomputed
     per_layer_kept: float  # one layer, one micro-batch, under the policy
@@ -257,9 +322,28 @@ class ActivationEstimate:
     device: float  # held in device memory
     host: float  # held in host memory (activation offload)
     recompute_transient: float  # one block's activations rebuilt during its backward
-    logits_transient: float  # logits, their fp32 copy and gradient on the last stage
     notes: list[str] = field(default_factory=list)
     position_tables: float = 0.0  # under context parallelism: RoPE rows of the rank's global positions
+    head_in_flight: float = 0.0  # micro-batches whose head activations the last stage holds (0 elsewhere)
+    log_probs: float = 0.0  # one micro-batch's fp32 log-probabilities (in `last_stage`)
+    held_logits: float = 0.0  # logits the training step holds until their backward ends (compute dtype)
+    loss_backward: float = 0.0  # the loss's backward: fp32 gradients of the log-probabilities and of the logits
+    cast_cache: float = 0.0  # autocast's cache of weight casts during the forward that nothing saves
+    gradient_working_set: float = 0.0  # gradients one block's backward holds at once beside what it saved
+    block_cast_bytes: float = 0.0  # autocast's copy of one block's matmul weights (0 without casts)
+
+
+def matmul_weight_elements(specs: tuple[ParamSpec, ...] | list[ParamSpec], layout: Layout) -> tuple[float, float]:
+    """(all, the largest) elements of the matmul weights among `specs` one rank holds for its forward:
+    tensor-parallel shards, 1/ep of the routed experts."""
+    sizes = []
+    for spec in specs:
+        if spec.matmul:
+            numel = 1
+            for size in spec.local_shape(layout.tp):
+                numel *= size
+            sizes.append(numel / (layout.ep if spec.expert else 1))
+    return float(sum(sizes)), float(max(sizes, default=0.0))
 
 
 def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
@@ -270,16 +354,24 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
     divided by cp. Ring attention keeps q, k, v, the output and the log-sum-exp of its own tokens and
     never the scores (its blocks are computed and dropped); all_to_all runs the model's attention on
     n_heads / cp heads of the whole sequence, so materialized scores are a / cp x s x s.
+
+    Number formats follow the layout (`Layout.residual_bytes`, `Layout.casts_weights`): under bf16/fp16
+    autocast over fp32 weights the residual stream and the norms are fp32, each projection keeps its own
+    cast of its input, and every matmul keeps autocast's copy of its weight (module docstring).
     """
     s, b, e, t, sp = layout.local_seq_len, layout.micro_batch_size, layout.compute_bytes, layout.tp, layout.sequence_parallel
     sp = sp and t > 1
+    r, casts = layout.residual_bytes, layout.casts_weights
+    fused_norm = device_type == "cuda"  # torch's fused RMSNorm kernel (the CPU runs the composite)
     mask_bytes = 1 if device_type == "cuda" else e
     materialized = inv.attn_impl == "materialized" or (inv.dropout > 0 and device_type == "cpu")
     if layout.cp > 1 and layout.cp_method == "ring":
         materialized = False
     a2a = layout.cp > 1 and layout.cp_method == "all_to_all"
+    block_weights, largest_weight = matmul_weight_elements(inv.layer, layout)
     tensors = saved_tensors(inv, s, b, e, mask_bytes, materialized, score_len=layout.seq_len,
-                            all_to_all=a2a and not materialized)
+                            all_to_all=a2a and not materialized, residual_bytes=r, casts=casts,
+                            fused_norm=fused_norm, cast_weights=block_weights)
     policy = layout.checkpointing
     none = layer_bytes(tensors, "none", t, sp)
     part: RankPart = rank_part(inv, layout, pp_rank)
@@ -302,13 +394,21 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         # each stage's forward gathers the RoPE rows of its tokens' global positions (fp32 cos and sin)
         positions = in_flight * len(part.stage_layers) * s * 2 * inv.head_dim * 4
     head_in_flight = float(layout.num_microbatches) if (layout.pp > 1 and layout.schedule == "gpipe") else 1.0
-    last = 0.0
-    logits = 0.0
+    last = log_probs = held_logits = loss_backward = 0.0
     if part.last:
-        last = head_in_flight * sum(x.bytes(t, sp) for x in head_saved_tensors(inv, s, b, e, layout.loss_parallel))
-        vocab = inv.vocab_size / (t if layout.loss_parallel else 1)
-        # logits (e) and their fp32 copy in the forward; fp32 and e-byte gradients in the backward
-        logits = s * b * vocab * (e + 4)
+        head_specs = [p for p in inv.head if p.matmul]
+        if inv.tied:  # the output head multiplies with the embedding's weight
+            head_specs.append(ParamSpec("output.weight", (inv.vocab_size, inv.dim), 0, True))
+        head_cast = matmul_weight_elements(head_specs, layout)[0] if casts else 0.0
+        last = head_in_flight * sum(x.bytes(t, sp) for x in head_saved_tensors(
+            inv, s, b, e, layout.loss_parallel, residual_bytes=r, fused_norm=fused_norm, cast_weights=head_cast))
+        tokens_x_vocab = s * b * inv.vocab_size / (t if layout.loss_parallel else 1)
+        log_probs = tokens_x_vocab * 4
+        # the step holds the logits (compute dtype) until its backward is done; the loss reads an fp32 copy
+        # (freed once its log-softmax has run: below the backward's start, which adds two fp32 tensors of
+        # that size, the gradients w.r.t. the log-probabilities and w.r.t. the fp32 logits)
+        held_logits = head_in_flight * tokens_x_vocab * e
+        loss_backward = 2 * tokens_x_vocab * 4
     recompute = 0.0
     if checkpointed or policy in ("attention", "selective"):
         recompute = none - (layer_bytes(tensors, "full", t, sp) if policy in ("full", "every_n") else per_layer)
@@ -317,7 +417,20 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         # a stage keeps each in-flight micro-batch's received input and produced output (full hidden states,
         # the same on every tp rank) until that micro-batch's backward
         ends = sum(1 for _ in part.stage_layers) * 2 - (1 if part.first else 0) - (1 if part.last else 0)
-        boundaries = ends * s * b * inv.dim * e * in_flight / len(part.stage_layers)
+        boundaries = ends * s * b * inv.dim * r * in_flight / len(part.stage_layers)
+    # autocast caches each weight's cast until the forward's autocast region ends (a pipeline stage's
+    # forward of one micro-batch); the blocks whose policy does not keep the casts hold them only there
+    block_cast = block_weights * e if casts else 0.0
+    uncached_layers = {"full": checkpointed, "every_n": checkpointed, "selective": part.layers,
+                       "offload": part.layers}.get(policy, 0)
+    cast_cache = block_cast * uncached_layers / (len(part.stage_layers) if layout.pp > 1 else 1)
+    # one block's backward: SwiGLU's (GeLU's) two ffn-wide input gradients at once, the residual stream's
+    # gradient in and out, and under autocast the compute-dtype gradient of its largest weight before
+    # the cast that accumulates it
+    working = 0.0
+    if part.layers:
+        working = (2 * s * b * inv.ffn_dim / t * e + 2 * s * b * inv.dim * r / (t if sp else 1)
+                   + (largest_weight * e if casts else 0.0))
     device = blocks + first + last + boundaries + positions
     host = 0.0
     notes = []
@@ -325,10 +438,15 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         if device_type == "cpu":
             notes.append("activation offload: already in host memory on the CPU, nothing moves")
         else:
-            host, device = device, none  # one block's activations in flight to or from the host
+            # the blocks' saved tensors go to host memory, one block's in flight; the embedding's and the
+            # head's stay
+            host, device = blocks, device - blocks + none
     return ActivationEstimate(
         per_layer_none=none, per_layer_kept=per_layer, layers=part.layers, checkpointed=checkpointed,
         in_flight=in_flight, blocks=blocks, first_stage=first, last_stage=last, boundaries=boundaries,
         device=device, host=host,
-        recompute_transient=max(recompute, 0.0), logits_transient=logits, notes=notes, position_tables=positions,
+        recompute_transient=max(recompute, 0.0), notes=notes,
+        position_tables=positions, head_in_flight=head_in_flight if part.last else 0.0, log_probs=log_probs,
+        held_logits=held_logits, loss_backward=loss_backward, cast_cache=cast_cache,
+        gradient_working_set=working, block_cast_bytes=block_cast,
     )

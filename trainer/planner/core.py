@@ -50,7 +50,9 @@ class Plan:
     micro_batch_size: int
     num_microbatches: int
     rank: int  # the rank reported (the one with the highest device memory, or plan.rank)
-    memory: dict[str, float]  # bytes, MEMORY_FIELDS of `rank`
+    # bytes, MEMORY_FIELDS of `rank`: params, grads, optimizer as held, activations as saved by the forward,
+    # temporaries and total of the peak phase (`peak_phase`; details["phases"] has every phase's parts)
+    memory: dict[str, float]
     state_bytes: dict[str, float]  # params, grads, optimizer this rank holds wherever they live
     host_bytes: float
     capacity_bytes: float  # usable device memory (after reserved memory and headroom)
@@ -75,6 +77,8 @@ class Plan:
     exact_error: Optional[str] = None
     warnings: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
+    # The phase of a step at which `rank`'s device memory peaks (trainer/planner/phases.py: PHASES).
+    peak_phase: str = ""
 
     def memory_gb(self) -> dict[str, float]:
         return {k: self.memory[k] / GB for k in MEMORY_FIELDS}
@@ -172,6 +176,9 @@ def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: H
     details = {
         "temporaries": chosen.temporaries,
         "optimizer_step_temporaries": chosen.step_temporaries,
+        # what exists at each phase of a step (bytes; the largest is the total) and its temporaries by name
+        "phases": chosen.phases,
+        "phase_temporaries": chosen.phase_temporaries,
         "activations": {
             "per_layer_none_bytes": a.per_layer_none, "per_layer_kept_bytes": a.per_layer_kept,
             "layers": a.layers, "checkpointed_layers": a.checkpointed, "in_flight_microbatches": a.in_flight,
@@ -204,7 +211,7 @@ def build_plan(cfg: DictConfig, inv: ModelInventory, layout: Layout, hardware: H
         communication=[{"dimension": c.dimension, "op": c.op, "group_size": c.group_size, "count": c.count,
                         "payload_bytes": c.payload_bytes, "sent_bytes": c.sent_bytes, "time_s": c.time_s,
                         "spans_nodes": c.spans_nodes} for c in chosen.collectives],
-        warnings=list(chosen.activations.notes),
+        warnings=list(chosen.activations.notes), peak_phase=chosen.peak_phase,
     )
 
 
@@ -229,8 +236,12 @@ def activation_formula(inv: ModelInventory, layout: Layout) -> str:
     elif inv.family == "gpt":
         base = "GPT with fused SDPA: Korthikanti's 34sbh without the 5as^2b scores (q,k,v,out + logsumexp kept)"
     else:
-        base = ("Llama block with SDPA and SwiGLU: e*sb*(8h + 2h_kv + 4f) + 4abs + 8sb bytes per layer "
-                "(e = activation bytes), TP splits heads/ffn, SP splits norms")
+        base = ("Llama block with SDPA and SwiGLU: e*sb*(4h + 2h_kv + 4f) + r*sb*2h + 4abs + 8sb bytes per layer "
+                "on CUDA (e = activation bytes, r = residual-stream bytes; the CPU's composite RMSNorm adds 8sbh), "
+                "TP splits heads/ffn, SP splits norms")
+        if layout.casts_weights:
+            base += ("; autocast over fp32 weights: fp32 residual stream and norms (r = 4), each projection's own "
+                     "cast of its input (+3e*sbh) and e-byte copies of the matmul weights")
         if inv.family == "deepseek_v3":
             base += (" (DeepSeek-V3: every block as an MoE block with f = (top_k + shared) x expert width, "
                      "h_kv = heads x qk_head_dim; MLA's latents and the MTP module's activations not modelled)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import DictConfig
@@ -16,10 +16,13 @@ from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import Layout
 from trainer.planner.memory import GB, RankCoords, rank_numel, rank_part, rank_state_bytes
 from trainer.planner.params import ModelInventory
+from trainer.planner.phases import Transients, step_phases
 from trainer.planner.timing import Timing, estimate_time
 
 
-# Sizes the JSON line reports under memory_gb, in this order.
+# Sizes the JSON line reports under memory_gb, in this order: the model states the rank holds, what its
+# forward saves, the temporaries of its peak phase, and the peak (trainer/planner/phases.py: the largest
+# phase of a step, which holds of the gradients only those present then; not the sum of the others).
 MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "temporaries", "total")
 
 
@@ -51,24 +54,27 @@ class RankEstimate:
     coords: RankCoords
     state: dict[str, float]  # params, grads, optimizer bytes this rank holds (device or host)
     activations: ActivationEstimate
-    temporaries: dict[str, float]  # named transient buffers at the forward/backward peak
+    temporaries: dict[str, float]  # named transient buffers of the peak phase
     step_temporaries: dict[str, float]  # named transient buffers during the optimizer step
-    device: dict[str, float]  # device-resident bytes: params, grads, optimizer, activations, temporaries, total
+    # device bytes: params, grads, optimizer (held), activations (saved by the forward), temporaries (of the
+    # peak phase), total (the peak phase's: not the sum of the others, see trainer/planner/phases.py)
+    device: dict[str, float]
     host: float  # host-resident bytes of this rank (offloaded states and activations)
     collectives: list[Collective]
     timing: Timing
+    # {phase: {params, grads, optimizer, activations, temporaries, total}}: what exists at each phase
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    peak_phase: str = ""  # the phase whose total is `device["total"]`
+    phase_temporaries: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
-                acts: ActivationEstimate) -> tuple[dict[str, float], dict[str, float]]:
-    """Transient buffers at the forward/backward peak and during the optimizer step (bytes)."""
+def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords) -> Transients:
+    """Buffers besides the model states and the saved activations, by when they exist (bytes). The
+    activations' own transients (the logits, the loss's gradients, a recomputed block, autocast's weight
+    casts) come from `estimate_activations`; which gradients exist when, from `phases.gradient_presence`."""
     full, shard = rank_numel(inv, layout, coords)
     part = rank_part(inv, layout, coords.pp)
-    fb: dict[str, float] = {}
-    if acts.recompute_transient:
-        fb["recomputed block"] = acts.recompute_transient
-    if acts.logits_transient:
-        fb["logits and their gradient"] = acts.logits_transient
+    out = Transients()
     if layout.fsdp:
         # (a rank holds 1/ep of each MoE layer's experts, whole under tp: tp splits only weights with a tp_dim)
         layer_numel = sum(math.prod(p.local_shape(layout.tp)) / (layout.ep if p.expert else 1) for p in inv.layer)
@@ -78,62 +84,61 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords,
             gathered = (1 + layout.prefetch_blocks) * layer_numel + root
         else:  # shard_grad_op, or blocks kept gathered from one micro-batch's backward to the next forward
             gathered = full
-        fb["gathered parameters"] = gathered * layout.unsharded_param_bytes
+        out.gathered["gathered parameters"] = gathered * layout.unsharded_param_bytes
         # a block's gradients are computed unsharded (compute dtype), then cast for the reduce-scatter
         grads = layer_numel if part.layers else root
-        fb["unsharded gradients of a block"] = grads * (layout.unsharded_param_bytes + layout.reduce_bytes)
-        if accumulating and (layout.grad_sync == "step" or layout.pp > 1):
-            # the reduction waits for the last micro-batch: every unit's gradient accumulates unsharded
-            fb["unsharded gradients accumulated over micro-batches"] = (full - grads) * layout.reduce_bytes
+        out.block_backward["unsharded gradients of a block"] = grads * (layout.unsharded_param_bytes
+                                                                        + layout.reduce_bytes)
     elif layout.strategy == "3d" and layout.replica_group > 1:
         # torch's `replicate` (3d's ddp/zero1 flavours) gathers each block's compute copy (FSDP2's machinery,
         # a world of one shard) and keeps it from the forward to the end of the backward
-        fb["replicated parameters gathered for compute"] = full * layout.unsharded_param_bytes
-    elif layout.autocast:
-        # autocast's cast of every weight is saved by its matmul for the backward; each pipeline forward
-        # runs in its own autocast region, so every in-flight micro-batch holds its own copy
-        copies = acts.in_flight if layout.pp > 1 else 1.0
-        fb["autocast weight copies"] = full * layout.compute_bytes * copies
-    step: dict[str, float] = {}
+        out.gathered["replicated parameters gathered for compute"] = full * layout.unsharded_param_bytes
     optimizer_numel = full if layout.dp_flavour in ("none", "ddp") else shard
-    if layout.optimizer_states:
-        # foreach AdamW/SGD builds intermediates the size of the moments (e.g. sqrt of exp_avg_sq)
-        step["optimizer intermediates"] = optimizer_numel * layout.optimizer_state_bytes
+    if layout.optimizer_states and not layout.optimizer_fused:
+        # foreach AdamW/SGD builds intermediates the size of the moments (e.g. sqrt of exp_avg_sq); the fused
+        # kernel updates in place
+        out.step["optimizer intermediates"] = optimizer_numel * layout.optimizer_state_bytes
     if layout.dp_flavour == "zero2" and layout.replica_group > 1:
-        # the whole local gradient lives until the reduce-scatter (the state counts only this rank's
-        # rows), plus one bucket's send buffer and its received rows
+        # the reduce-scatter of the whole local gradient (`phases.gradient_presence`), one bucket at a time:
+        # its send buffer and its received rows
         bucket = min(full, layout.bucket_cap_mb * 2**20 / layout.reduce_bytes)
-        fb["local gradients before the reduce-scatter"] = (full - shard) * layout.param_bytes + (
-            bucket * (1 + 1 / layout.replica_group)) * layout.reduce_bytes
+        out.reduction["reduce-scatter bucket"] = bucket * (1 + 1 / layout.replica_group) * layout.reduce_bytes
     if layout.dp_flavour in ("zero1", "zero2"):
         # one bucket at a time: the gathered rows of at most bucket_cap_mb (a larger tensor is a bucket
         # of its own) and this rank's part of them
         largest = max(math.prod(spec.local_shape(layout.tp)) for spec in (*inv.embedding, *inv.layer, *inv.head))
         bucket = min(full, max(layout.bucket_cap_mb * 2**20 / layout.param_bytes, largest))
-        step["ZeRO all-gather buffers"] = bucket * (1 + 1 / layout.replica_group) * layout.param_bytes
-    return fb, step
+        out.step["ZeRO all-gather buffers"] = bucket * (1 + 1 / layout.replica_group) * layout.param_bytes
+    return out
 
 
 def estimate_rank(inv: ModelInventory, layout: Layout, hardware: HardwareConfig, coords: RankCoords,
                   options: PlanOptions) -> RankEstimate:
+    """One rank's estimate. Its device memory is the largest phase of a step (trainer/planner/phases.py):
+    `device` reports the model states the rank holds (params, grads, optimizer), what its forward saves
+    (activations), the temporaries of the peak phase, and that phase's total, which counts of the
+    gradients only those present then."""
     state = rank_state_bytes(inv, layout, coords)
     acts = estimate_activations(inv, layout, coords.pp, hardware.device_type)
-    fb, step = temporaries(inv, layout, coords, acts)
+    transients = temporaries(inv, layout, coords)
     offloaded = layout.offload and hardware.device_type != "cpu"
     optimizer_offloaded = layout.offload_optimizer and not offloaded and hardware.device_type != "cpu"
     device_state = {k: (0.0 if offloaded or (optimizer_offloaded and k == "optimizer") else v)
                     for k, v in state.items()}
     host = sum(state.values()) - sum(device_state.values()) + acts.host
     if offloaded or optimizer_offloaded:
-        step = {}  # the optimizer steps on the host
-    device_temporaries = max(acts.device + sum(fb.values()), sum(step.values())) - acts.device
-    device = {**device_state, "activations": acts.device, "temporaries": device_temporaries}
-    device["total"] = sum(device.values())
+        transients.step = {}  # the optimizer steps on the host
+    phases, named = step_phases(inv, layout, coords, acts, device_state, transients)
+    peak = max(phases, key=lambda name: phases[name]["total"])  # the first of equals, in step order
+    device = {**device_state, "activations": acts.device, "temporaries": phases[peak]["temporaries"],
+              "total": phases[peak]["total"]}
     collectives = step_collectives(inv, layout, coords, hardware)
     timing = estimate_time(inv, layout, coords, hardware, collectives, options.matmul_efficiency,
                            options.attention_efficiency)
-    return RankEstimate(rank=coords.rank(layout), coords=coords, state=state, activations=acts, temporaries=fb,
-                        step_temporaries=step, device=device, host=host, collectives=collectives, timing=timing)
+    return RankEstimate(rank=coords.rank(layout), coords=coords, state=state, activations=acts,
+                        temporaries=named[peak], step_temporaries=transients.step, device=device, host=host,
+                        collectives=collectives, timing=timing, phases=phases, peak_phase=peak,
+                        phase_temporaries=named)
 
 
 def ranks_to_estimate(inv: ModelInventory, layout: Layout) -> list[RankCoords]:
@@ -169,6 +174,8 @@ class Suggestion:
     tokens_per_s: float
     mfu: float
     step_time_s: float
+    peak_phase: str = ""  # the phase of a step at which that rank peaks (trainer/planner/phases.py)
+    at_peak: dict[str, float] = field(default_factory=dict)  # what exists then: MEMORY_FIELDS, summing to total
 
     @property
     def command(self) -> str:

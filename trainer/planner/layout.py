@@ -92,6 +92,9 @@ class Layout:
     # Optimizer state tensors per parameter (AdamW: exp_avg and exp_avg_sq; SGD with momentum: 1).
     optimizer_states: int = 2
     optimizer_state_bytes: int = 4
+    # The optimizer config asks for torch's fused kernel, or leaves it to the default that takes it where
+    # it runs (`fused: null` and no `foreach`: trainer.optim.optimizer_factory_from_config).
+    optimizer_fused_requested: bool = False
 
     @property
     def dp(self) -> int:
@@ -132,6 +135,42 @@ class Layout:
     def autocast(self) -> bool:
         """Mixed precision by autocast: weights stored wider than the matmuls run."""
         return self.compute_bytes < self.param_bytes
+
+    @property
+    def gathers_compute_copy(self) -> bool:
+        """The forward reads a gathered copy of the weights in `unsharded_param_bytes` (FSDP2's flavours, and
+        the 3d strategy's `replicate`, which is FSDP2's machinery), not the stored parameters."""
+        return (self.dp_flavour in ("shard_grad_op", "zero3", "hybrid_shard")
+                or (self.strategy == "3d" and self.replica_group > 1))
+
+    @property
+    def forward_weight_bytes(self) -> int:
+        """Bytes per element of the weights the forward computes with, before autocast."""
+        return self.unsharded_param_bytes if self.gathers_compute_copy else self.param_bytes
+
+    @property
+    def casts_weights(self) -> bool:
+        """Autocast casts every matmul weight (and each matmul's input) to the compute dtype: the weights
+        the forward reads are wider than the matmuls (bf16/fp16 autocast over fp32 parameters; not under
+        bf16_true or fp32, nor where FSDP2's policy gathers them in the compute dtype already)."""
+        return self.compute_bytes < self.forward_weight_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream (embedding output, block inputs and outputs, the norms'
+        inputs): the dtype of the weights the forward reads, since autocast leaves embeddings, residual
+        adds and norms in it (fp32 under bf16/fp16 autocast over fp32 parameters)."""
+        return max(self.forward_weight_bytes, self.compute_bytes)
+
+    @property
+    def optimizer_fused(self) -> bool:
+        """Whether the optimizer steps with torch's fused kernel (in place: no intermediates the size of its
+        states), which takes every tensor only when they are all plain or all DTensors of one mesh
+        (trainer.optim._fused_kernel_runs_on): not with tensor parallelism's plain norms beside its shards
+        (no sequence parallelism), nor expert parallelism's second mesh, nor float8's FSDP weight subclass."""
+        mixed = (self.tp > 1 and not self.sequence_parallel) or self.ep > 1
+        float8_shards = self.precision.startswith("fp8") and self.gathers_compute_copy
+        return self.optimizer_fused_requested and not mixed and not float8_shards
 
     def replace(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -176,7 +215,16 @@ def layout_from_config(cfg: DictConfig, *, precision: Optional[Precision] = None
         unsharded_param_bytes=DTYPE_BYTES[unsharded], reduce_bytes=DTYPE_BYTES[reduce],
         master_bytes=4 if master else 0,
         optimizer_states=states, optimizer_state_bytes=4 if master else DTYPE_BYTES[param_dtype],
+        optimizer_fused_requested=_fused_requested(cfg.optimizer),
     )
+
+
+def _fused_requested(optimizer: DictConfig) -> bool:
+    """`fused: true`, or `fused: null` without `foreach` (the default that takes the fused kernel)."""
+    if "fused" not in optimizer:
+        return False
+    fused = optimizer.get("fused")
+    return bool(fused) or (fused is None and optimizer.get("foreach", None) is None)
 
 
 def model_config(cfg: DictConfig) -> Any:

@@ -13,6 +13,10 @@ strategies (`flavour_sharding`): zero1 and zero2 are the paper's stages 1 and 2 
 optimizer states and for zero2 gradients partitioned); zero3, hybrid_shard and FSDP2's shard_grad_op
 keep parameters sharded at rest (shard_grad_op gathers them once per micro-batch and keeps them through
 the backward: a temporary here).
+
+These are the bytes a rank holds after a step. Within a step the gradients exist only from the backward
+that makes them (between steps they are None), so the device peak is not their sum with the activations:
+trainer/planner/phases.py.
 """
 
 from __future__ import annotations

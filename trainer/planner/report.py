@@ -12,6 +12,7 @@ from typing import Sequence
 from omegaconf import DictConfig
 
 from trainer.planner.core import GB, MEMORY_FIELDS, Plan, plan
+from trainer.planner.phases import PHASE_DESCRIPTIONS
 
 EXIT_DOES_NOT_FIT = 3
 LABELS = {
@@ -22,6 +23,8 @@ LABELS = {
     "temporaries": "temporary buffers",
     "total": "total",
 }
+# The chart's and the peak line's labels of a phase's parts (its gradients are those present then).
+PHASE_LABELS = {**LABELS, "grads": "gradients present"}
 
 
 def _gb(value: float) -> str:
@@ -62,7 +65,18 @@ def format_table(result: Plan) -> str:
             row += f"   {_gb(result.exact[key])}"  # type: ignore[index]
         if key in result.state_bytes and result.memory[key] != held:
             row += "   (in host memory: offloaded)"
+        if key == "temporaries" and result.peak_phase:
+            row += "   (at the peak)"
+        if key == "total" and result.peak_phase:
+            row += "   (the peak: not the sum of the above)"
         lines.append(row)
+    phases = result.details.get("phases", {})
+    if result.peak_phase in phases:
+        at_peak = phases[result.peak_phase]
+        lines.append(f"  at the peak, the {PHASE_DESCRIPTIONS[result.peak_phase]} [{result.peak_phase}]: "
+                     + " + ".join(f"{PHASE_LABELS[k]} {at_peak[k] / GB:.3f}" for k in MEMORY_FIELDS if k != "total")
+                     + f" = {at_peak['total'] / GB:.3f}")
+        lines.append("  phases of a step (GB): " + ", ".join(f"{k} {v['total'] / GB:.3f}" for k, v in phases.items()))
     if result.host_bytes:
         lines.append(f"  {'host memory (offloaded)':<32}{_gb(result.host_bytes)}   "
                      f"of {result.host_capacity_bytes / GB:.1f} usable")
@@ -81,11 +95,13 @@ def format_table(result: Plan) -> str:
                  + (f", stage inputs/outputs +{_bytes(act['pipeline_boundary_bytes'])}"
                     if act["pipeline_boundary_bytes"] else ""))
     lines.append(f"    {result.activation_formula}")
-    temps = {**result.details["temporaries"], **{f"{k} (optimizer step)": v for k, v in
-                                                result.details["optimizer_step_temporaries"].items()}}
+    temps = result.details["temporaries"]
     if temps:
-        lines.append("  temporaries (the larger of the forward/backward and optimizer-step sets counts): "
+        lines.append(f"  temporaries at the peak ({result.peak_phase}): "
                      + "; ".join(f"{k} {_bytes(v)}" for k, v in temps.items()))
+    if result.peak_phase != "optimizer_step" and result.details["optimizer_step_temporaries"]:
+        lines.append("  temporaries of the optimizer step: "
+                     + "; ".join(f"{k} {_bytes(v)}" for k, v in result.details["optimizer_step_temporaries"].items()))
     if len(result.per_rank_total) > 1:
         lines.append("  per pipeline rank: "
                      + ", ".join(f"rank {r}: {v / GB:.2f}" for r, v in result.per_rank_total.items()))
@@ -131,7 +147,8 @@ def format_table(result: Plan) -> str:
 
 def write_chart(title: str, bars: Sequence[tuple[str, dict[str, float], float]], path: str | Path) -> Path:
     """A stacked bar (params, grads, optimizer, activations, temporaries; bytes) per (label, memory,
-    usable bytes), with the usable memory as a dashed line."""
+    usable bytes), with the usable memory as a dashed line. `memory`: what exists at the peak phase
+    (`Plan.details["phases"][peak_phase]`, `Suggestion.at_peak`), whose parts sum to its total."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,12 +162,12 @@ def write_chart(title: str, bars: Sequence[tuple[str, dict[str, float], float]],
         bottom = 0.0
         for part_index, key in enumerate(parts):
             value = memory[key] / GB
-            ax.bar(index, value, bottom=bottom, color=f"C{part_index}", label=LABELS[key] if index == 0 else None)
+            ax.bar(index, value, bottom=bottom, color=f"C{part_index}", label=PHASE_LABELS[key] if index == 0 else None)
             bottom += value
         ax.hlines(usable / GB, index - 0.4, index + 0.4, colors="black", linestyles="dashed",
                   label="usable memory" if index == 0 else None)
     ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], rotation=15, ha="right", fontsize=8)
-    ax.set_ylabel("GB per device (rank with the most)")
+    ax.set_ylabel("GB per device at its peak (rank with the most)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -164,8 +181,9 @@ def run(cfg: DictConfig, overrides: list[str]) -> int:
     result = plan(cfg, overrides=overrides)
     print(format_table(result))
     if cfg.plan.chart:
-        bars = [("configured", result.memory, result.capacity_bytes)]
-        bars += [(f"#{i} {s.description}", s.memory, s.capacity_bytes) for i, s in enumerate(result.suggestions, 1)]
+        bars = [("configured", result.details["phases"][result.peak_phase], result.capacity_bytes)]
+        bars += [(f"#{i} {s.description}", s.at_peak or s.memory, s.capacity_bytes)
+                 for i, s in enumerate(result.suggestions, 1)]
         title = f"{result.model} on {result.world_size} x {result.hardware}"
         print(f"memory chart: {write_chart(title, bars, cfg.plan.chart)}")
     if cfg.plan.format == "json":

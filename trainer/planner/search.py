@@ -218,7 +218,8 @@ def search_configurations(cfg: DictConfig, inv: ModelInventory, base: Layout, ha
                                       memory_gb=worst.device["total"] / GB, memory=dict(worst.device),
                                       capacity_bytes=usable_bytes(hardware, options.headroom),
                                       tokens_per_s=t.tokens_per_s,
-                                      mfu=t.mfu, step_time_s=t.step_time_s))
+                                      mfu=t.mfu, step_time_s=t.step_time_s, peak_phase=worst.peak_phase,
+                                      at_peak=dict(worst.phases[worst.peak_phase])))
         if len(suggestions) == top:
             break
     return suggestions
