@@ -95,7 +95,12 @@ part memory 75 "$PY" benchmarks/gpu_memory.py --layers 2,4 --ac none,selective,f
 
 echo "== table (docs/BENCHMARKS.md, section GPU) at $(( $(date +%s) - START )) s"
 "$PY" benchmarks/gpu_table.py "$RESULTS"
-(cd "$RESULTS" && tar czf logs.tar.gz --exclude logs.tar.gz --exclude table.md --exclude suite.json . && \
-    find . -mindepth 1 -maxdepth 1 ! -name logs.tar.gz ! -name table.md ! -name suite.json -exec rm -rf {} +)
+# Three files in the end (a device tool may bring back only a few): the archive is written outside the
+# folder it packs, so tar never reads its own growing output.
+ARCHIVE=$(mktemp /tmp/gpu_suite_logs.XXXXXX)
+tar czf "$ARCHIVE" -C "$RESULTS" --exclude table.md --exclude suite.json . \
+    || echo "tar: exit status $? (a file changed while packing: the archive may lack part of it)"
+find "$RESULTS" -mindepth 1 -maxdepth 1 ! -name table.md ! -name suite.json -exec rm -rf {} +
+mv "$ARCHIVE" "$RESULTS/logs.tar.gz"
 echo "suite: $(( $(date +%s) - START )) s; results in $RESULTS (table.md, suite.json, logs.tar.gz)"
 exit "$TESTS"

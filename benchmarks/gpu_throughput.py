@@ -91,7 +91,7 @@ def base_overrides(args: argparse.Namespace, layers: int, hardware: Optional[str
     overrides = ["model=llama3_8b", f"model.n_layers={layers}", "strategy=single", "trainer.devices=1",
                  f"precision={args.precision}", f"activation_checkpointing={args.ac}",
                  f"trainer.seq_len={args.seq_len}", f"trainer.micro_batch_size={args.micro_batch}",
-                 f"trainer.global_batch_size={args.micro_batch}", f"trainer.max_steps={steps}",
+                 f"trainer.global_batch_size={args.micro_batch * args.accumulation}", f"trainer.max_steps={steps}",
                  # every step logged: the trainer's steady window starts right after the warm-up
                  "trainer.log_every=1", f"trainer.throughput_warmup_steps={args.warmup}",
                  "trainer.val_every=0", "trainer.val_batches=1",
@@ -207,7 +207,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=None, help="transformer layers (default: most that fit)")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (torchtitan's 8B: 8192)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="micro-batches per optimizer step (8: the optimizer work per token of torchtitan's "
+                             "8-GPU FSDP run, where each GPU steps an eighth of the parameters)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the clock starts (compilation)")
     parser.add_argument("--modes", default="compile,eager", help="compile and/or eager, comma-separated")
@@ -249,10 +252,10 @@ def main() -> None:
         estimate = planned(base_overrides(args, layers, hardware, memory_gb))
         result["layers_from"] = "--layers"
     overrides = base_overrides(args, layers, hardware, memory_gb)
-    tokens_per_step = args.seq_len * args.micro_batch
+    tokens_per_step = args.seq_len * args.micro_batch * args.accumulation
     cfg = compose(overrides)
     result.update(layers=layers, num_params=estimate.num_params, seq_len=args.seq_len,
-                  micro_batch=args.micro_batch, precision=args.precision, activation_checkpointing=args.ac,
+                  micro_batch=args.micro_batch, accumulation=args.accumulation, precision=args.precision, activation_checkpointing=args.ac,
                   steps=args.steps, warmup=args.warmup, overrides=overrides,
                   planner_memory_gb=estimate.memory["total"] / 1e9, planner_fits=estimate.fits,
                   planner_mfu=estimate.mfu)

@@ -253,6 +253,17 @@ def test_fsdp_on_a_world_of_one_matches_single(tmp_path: Path, strategy: str) ->
     assert losses == pytest.approx(column(tmp_path / "single", "train_loss"), rel=0.05)
 
 
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """Deterministic kernels (flash attention's backward otherwise accumulates dQ with atomics), so that two
+    runs from the same state give bitwise the same losses."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 # ---- activation offload ---------------------------------------------------------------------------------
 # Wide and long enough that activations, not weights, fill the device: 4 blocks of dim 1024 on 8 x 1024
 # tokens per micro-batch (about 1.5 GB of saved activations in bf16, 0.8 GB of fp32 weights and states).
@@ -261,7 +272,7 @@ OFFLOAD = ["model.dim=1024", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn
            "trainer.global_batch_size=8", "trainer.max_steps=3", "precision=bf16"]
 
 
-def test_activation_offload_lowers_the_device_peak(tmp_path: Path) -> None:
+def test_activation_offload_lowers_the_device_peak(tmp_path: Path, deterministic: None) -> None:
     from trainer.planner import plan
 
     def pinned_offload(trainer: Trainer) -> bool:
@@ -278,7 +289,8 @@ def test_activation_offload_lowers_the_device_peak(tmp_path: Path) -> None:
     saved = kept["peak_memory_bytes_per_rank"][0] - offloaded["peak_memory_bytes_per_rank"][0]
     # the blocks' saved tensors leave the device; the embedding output and the logits stay
     assert saved >= 0.5 * activations, (saved / MIB, activations / MIB)
-    # the same arithmetic: only where the saved tensors wait changed
+    # the same arithmetic: only where the saved tensors wait changed (deterministic kernels: without them two
+    # such runs differed by 1.26e-5 relative at step 3 on an H200, flash attention's atomics)
     assert column(tmp_path / "offload", "train_loss") == pytest.approx(column(tmp_path / "none", "train_loss"),
                                                                         rel=1e-5)
 
@@ -303,11 +315,14 @@ def test_optimizer_offload_moves_the_states_to_the_host_and_lowers_the_device_pe
     assert host_state == {"cpu"}
     assert held["optimizer"] == held["optimizer_host"] == 12 * offloaded["num_params"]  # masters + 2 moments
     assert held["params_host"] == held["grads_host"] == 0
+    assert column(tmp_path / "host", "train_loss") == pytest.approx(column(tmp_path / "device", "train_loss"),
+                                                                     rel=1e-3)
+    # Issue 27's criterion. Measured on an H200 (2026-11-27) before fixes not yet run on a GPU (ZeRO-1's row
+    # views no longer keep the previous step's gradients alive after DDP rebuilds its buckets): 1420 of 1518
+    # MiB; the planner now predicts 1832 MiB for this pair of runs.
     moved = held["optimizer_host"]
     saved = kept["peak_memory_bytes_per_rank"][0] - offloaded["peak_memory_bytes_per_rank"][0]
     assert saved >= moved, (saved / MIB, moved / MIB)
-    assert column(tmp_path / "host", "train_loss") == pytest.approx(column(tmp_path / "device", "train_loss"),
-                                                                     rel=1e-3)
 
 
 def _local_device(tensor: torch.Tensor) -> str:
@@ -340,17 +355,6 @@ def optimizer_states(trainer: Any) -> list[torch.Tensor]:
 # GPT-2's architecture, small, with dropout: the continuation depends on the CUDA random state too.
 GPT_DROPOUT = ["model=gpt2_small", "model.vocab_size=256", "model.max_seq_len=128", "model.dim=128",
                "model.n_layers=2", "model.n_heads=4", "model.ffn_hidden_dim=512", "model.dropout=0.1"]
-
-
-@pytest.fixture
-def deterministic() -> Iterator[None]:
-    """Deterministic kernels (flash attention's backward otherwise accumulates dQ with atomics), so that two
-    runs from the same state give bitwise the same losses."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def test_dcp_save_and_exact_resume_on_the_gpu(tmp_path: Path, deterministic: None) -> None:

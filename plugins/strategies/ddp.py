@@ -45,6 +45,12 @@ def wrap_ddp(model: nn.Module, group: Any, device: torch.device, *, bucket_cap_m
     return ddp
 
 
+
+def wraps_data_parallel(dp: int, tp: int, pp: int, cp: int) -> bool:
+    """Whether DDP wraps the model: over the data-parallel ranks, and in a world of one process over a
+    group of one (`ParallelDims.dp_mesh`), whose buckets hold the gradients as on N ranks."""
+    return dp * cp > 1 or dp * tp * pp * cp == 1
+
 class DDP(DistributedStrategy):
     """torch DistributedDataParallel: every rank holds the whole model; gradients are all-reduced.
 
@@ -93,7 +99,8 @@ class DDP(DistributedStrategy):
             "zero3 or fsdp, whose FSDP2 mixed-precision policy reduces in the requested dtype")
 
     def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": "ddp" if dp * cp > 1 else "none",
+        flavour = "ddp" if wraps_data_parallel(dp, tp, pp, cp) else "none"
+        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": flavour,
                 "comm_hook": self.comm_hook, "bucket_cap_mb": float(self.bucket_cap_mb)}
 
     def full_init(self, model: nn.Module) -> bool:
@@ -411,7 +418,8 @@ class ZeRO1(DDP):
         return torch.device("cpu") if self.offload_optimizer else None
 
     def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
-        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": "zero1" if dp * cp > 1 else "none",
+        flavour = "zero1" if wraps_data_parallel(dp, tp, pp, cp) else "none"
+        return {**super().planner_layout(dp, tp, pp, cp), "dp_flavour": flavour,
                 "offload_optimizer": self.offload_optimizer}
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:

@@ -335,6 +335,12 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         for part in model_parts:  # an optimizer over views of the parameters does not own their .grad
             part.zero_grad(set_to_none=True)
+        # Nor, when it steps copies (bf16_true's masters, offload), the stand-ins' (ZeRO's row views):
+        # a view's gradient left in place keeps the step's gradient memory alive through the next step,
+        # which after DDP rebuilds its buckets (before the second step) is a whole extra set of gradients
+        # (measured: Llama 2 7B with zero1 offload on one GPU peaked 13.5 GB higher).
+        for _, stand_in in self.optimizer_tensor_pairs():
+            stand_in.grad = None
 
     def clip_grad_norm(self, model_parts: Sequence[nn.Module], max_norm: float) -> torch.Tensor:
         """Global gradient norm over every parameter; clip to max_norm when max_norm > 0."""

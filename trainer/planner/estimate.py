@@ -98,6 +98,10 @@ def temporaries(inv: ModelInventory, layout: Layout, coords: RankCoords) -> Tran
         # foreach AdamW/SGD builds intermediates the size of the moments (e.g. sqrt of exp_avg_sq); the fused
         # kernel updates in place
         out.step["optimizer intermediates"] = optimizer_numel * layout.optimizer_state_bytes
+    if layout.master_bytes and not layout.offload_optimizer:
+        # master copies on the device (trainer.optim.SteppedCopies): every gradient is copied to the masters'
+        # dtype before the one optimizer call (offloaded copies go through host staging buffers instead)
+        out.step["gradients in the masters' dtype"] = optimizer_numel * layout.master_bytes
     if layout.dp_flavour == "zero2" and layout.replica_group > 1:
         # the reduce-scatter of the whole local gradient (`phases.gradient_presence`), one bucket at a time:
         # its send buffer and its received rows

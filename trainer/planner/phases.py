@@ -23,6 +23,9 @@ logic under data, tensor, pipeline and context parallelism, each term being that
   backward_end          every gradient of the step (zero2's whole local gradient and its reduce-scatter
                         buckets, FSDP's unsharded accumulators)
   optimizer_step        parameters + optimizer states + gradients + the step's intermediates
+  bucket_rebuild        DDP (ddp, zero1) rebuilds its gradient buckets in the order the first backward
+                        produced the gradients, at the start of the second forward: the new buckets are
+                        made before the old ones go, two sets of gradients' memory for a moment
 
 Each phase is params + optimizer + the gradients present + the activations present + its temporaries.
 Gradients present: none at the first micro-batch's forward and the backward's start (they exist only
@@ -52,7 +55,7 @@ from trainer.planner.memory import RankCoords, rank_numel, rank_param_specs, ran
 from trainer.planner.params import ModelInventory
 
 PHASES = ("forward", "loss_backward", "last_block_backward", "first_block_backward", "backward_end",
-          "optimizer_step")
+          "optimizer_step", "bucket_rebuild")
 PHASE_DESCRIPTIONS = {
     "forward": "end of the forward (before the loss)",
     "loss_backward": "start of the backward (the loss's fp32 gradients)",
@@ -60,6 +63,7 @@ PHASE_DESCRIPTIONS = {
     "first_block_backward": "backward of the first block",
     "backward_end": "end of the backward (every gradient)",
     "optimizer_step": "optimizer step",
+    "bucket_rebuild": "DDP's buckets rebuilt before the second step",
 }
 
 
@@ -172,6 +176,8 @@ def step_phases(inv: ModelInventory, layout: Layout, coords: RankCoords, acts: A
                          {**gathered, **held, **transients.reduction}),
         "optimizer_step": (grads.step, 0.0, dict(transients.step)),
     }
+    if layout.dp_flavour in ("ddp", "zero1") and layout.strategy != "3d":
+        phases["bucket_rebuild"] = (grads.step, 0.0, {"DDP's previous buckets": grads.step})
     if not acts.layers:  # a stage without blocks (a pipeline rank holding only the embedding or head)
         phases.pop("last_block_backward")
         phases.pop("first_block_backward")
