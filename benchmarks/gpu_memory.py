@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--extra", default="", help="more overrides for every row, space-separated")
     parser.add_argument("--smoke", action="store_true", help="CPU, a 64-wide model: checks the script runs")
