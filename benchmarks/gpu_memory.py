@@ -123,7 +123,7 @@ def main() -> None:
         predicted = estimate.memory["total"]
         row = {"layers": layers, "activation_checkpointing": ac, "compile": compiled == "true",
                "planner_bytes": predicted, "planner_terms": dict(estimate.memory),
-               "planner_peak_phase": getattr(estimate, "peak_phase", None), "measured": measured,
+               "planner_peak_phase": estimate.peak_phase, "measured": measured,
                "error": predicted / measured["peak_bytes"] - 1 if measured["peak_bytes"] else None}
         rows.append(row)
         print(f"layers {layers}, ac {ac}, compile {compiled}: planner {predicted / GB:.2f} GB, "

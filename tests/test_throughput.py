@@ -108,15 +108,11 @@ def test_the_steady_figure_leaves_the_warmup_out_and_the_wall_average_keeps_it(t
     """Every step takes 1 s and the first one 100 s more (compilation): with throughput_warmup_steps=2 and
     log_every=2 the steady window is steps 3-6; the wall average is over all six steps."""
     def step_time(trainer: Any) -> None:
-        clock.advance(1.0 + (100.0 if trainer.step == 1 else 0.0))
+        trainer.throughput_meter.now.advance(1.0 + (100.0 if trainer.step == 1 else 0.0))
 
     hook = OnHook("on_train_batch_end", step_time)
-    trainer = build_trainer(compose(TINY + ["trainer.log_every=2", "trainer.max_steps=6",
-                                            "trainer.throughput_warmup_steps=2"]), tmp_path)
-    clock = FakeClock()
-    trainer.throughput_meter.now = clock
-    trainer.callbacks.append(hook)
-    summary = trainer.fit()
+    summary, _, _ = fit(tmp_path, ["trainer.log_every=2", "trainer.max_steps=6", "trainer.throughput_warmup_steps=2"],
+                        hook)
 
     # the per-interval figures: a logged step's interval closes before its callbacks run, so steps 1-2's
     # interval holds step 1's callback time (101 s) and the next one step 2's
@@ -136,16 +132,9 @@ def test_the_steady_figure_leaves_the_warmup_out_and_the_wall_average_keeps_it(t
 
 
 def test_a_run_too_short_for_a_steady_window_reports_the_whole_run(tmp_path: Path) -> None:
-    def step_time(trainer: Any) -> None:
-        clock.advance(1.0)
-
-    hook = OnHook("on_after_backward", step_time)
-    trainer = build_trainer(compose(TINY + ["trainer.log_every=2", "trainer.max_steps=3",
-                                            "trainer.throughput_warmup_steps=3"]), tmp_path)
-    clock = FakeClock()
-    trainer.throughput_meter.now = clock
-    trainer.callbacks.append(hook)
-    summary = trainer.fit()
+    hook = OnHook("on_after_backward", lambda trainer: trainer.throughput_meter.now.advance(1.0))
+    summary, _, _ = fit(tmp_path, ["trainer.log_every=2", "trainer.max_steps=3", "trainer.throughput_warmup_steps=3"],
+                        hook)
     assert summary["throughput_window"] == "whole_run" and summary["throughput_window_steps"] == [1, 3]
     assert summary["tokens_per_s"] == summary["tokens_per_s_wall_average"] == TOKENS_PER_STEP / 1.0
     assert "whole run, steps 1-3" in throughput_line(summary)
@@ -186,14 +175,10 @@ def test_mfu_above_the_peak_is_reported_as_measured_with_one_warning(tmp_path: P
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A peak below what the run achieves is not moved: MFU reads above 1, the peak stays the run's
     reference, and one warning says the peak looks too low."""
-    hook = OnHook("on_after_backward", lambda trainer: clock.advance(1.0))
-    trainer = build_trainer(compose(TINY + ["trainer.log_every=1", "trainer.max_steps=3",
-                                            "trainer.peak_flops=1000"]), tmp_path)
-    clock = FakeClock()
-    trainer.throughput_meter.now = clock
-    trainer.callbacks.append(hook)
+    hook = OnHook("on_after_backward", lambda trainer: trainer.throughput_meter.now.advance(1.0))
     with caplog.at_level(logging.WARNING, logger="trainer"):
-        summary = trainer.fit()
+        summary, _, trainer = fit(tmp_path, ["trainer.log_every=1", "trainer.max_steps=3", "trainer.peak_flops=1000"],
+                                  hook)
     expected = TOKENS_PER_STEP * summary["flops_per_token"] / 1000.0  # FLOP/s per device over the peak
     assert expected > 1
     assert [mfu for _, _, mfu in hook.logged] == pytest.approx([expected] * 3, rel=1e-12)
