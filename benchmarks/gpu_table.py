@@ -8,9 +8,11 @@ or was not run, and the table says so):
     memory.json                 benchmarks/gpu_memory.py: the planner against the allocator's peak
     throughput_bf16.log         benchmarks/gpu_throughput.py, bf16, the planner's layer count (last line JSON)
     throughput_fp8.log          the same with precision=fp8
+    throughput_*_acc8.log       bf16 and fp8 with 8 micro-batches per optimizer step
     throughput_4l.log           4 layers, no activation checkpointing, compiled: this trainer ...
     hf_4l.log                   ... and benchmarks/hf_reference.py's plain Hugging Face loop on the same shape
     offload_run/summary.json    recipe=llama2_7b_1xh100_offload for a few steps (ZeRO-Offload, Llama 2 7B)
+    offload_plan.log            the planner's report of that run (`mode=plan plan.format=json`, last line JSON)
 
     python benchmarks/gpu_table.py /tmp/gpu_suite      # writes table.md and suite.json there, prints the table
 """
@@ -84,8 +86,10 @@ def throughput_rows(label: str, data: Optional[dict[str, Any]]) -> list[Row]:
     if data.get("status") not in ("measured", "smoke"):  # e.g. "no CUDA device": nothing was run
         return [(f"gpu_throughput {label}", str(data.get("status")), "")]
     rows = []
+    accumulation = data.get("accumulation", 1)
     shape = (f"{data['layers']} layers of Llama 3 8B width ({data['layers_from']}), seq {data['seq_len']} x "
-             f"{data['micro_batch']}, {data['precision']}, AC {data['activation_checkpointing']}")
+             f"{data['micro_batch']}" + (f" x {accumulation} micro-batches per step" if accumulation > 1 else "")
+             + f", {data['precision']}, AC {data['activation_checkpointing']}")
     for mode, figures in data.get("modes", {}).items():
         rows.append((f"gpu_throughput {label} {mode}", data["status"],
                      f"{figures['tokens_per_s']:,.0f} tokens/s, MFU {100 * figures['mfu']:.1f}%, peak "
@@ -103,14 +107,19 @@ def hf_rows(ours: Optional[dict[str, Any]], reference: Optional[dict[str, Any]])
     return [("Hugging Face LlamaForCausalLM loop, 4 layers, compiled, no AC", reference["status"], figure)]
 
 
-def offload_rows(summary: Optional[dict[str, Any]]) -> list[Row]:
+def offload_rows(summary: Optional[dict[str, Any]], plan: Optional[dict[str, Any]]) -> list[Row]:
     if summary is None:
         return [("recipe=llama2_7b_1xh100_offload", "not run", "no summary.json")]
     held = (summary.get("state_bytes_per_rank") or [{}])[0] or {}
     peak = summary["peak_memory_bytes_per_rank"][0]
+    planned = ""
+    if plan is not None and plan.get("peak_phase"):
+        planned_bytes = plan["details"]["phases"][plan["peak_phase"]]["total"]
+        planned = (f" (planner {planned_bytes / GB:.1f} GB at {plan['peak_phase']}, {100 * (planned_bytes / peak - 1):+.1f}%;"
+                   f" planner {plan['tokens_per_s']:,.0f} tokens/s)")
     return [("recipe=llama2_7b_1xh100_offload (Llama 2 7B, one GPU, ZeRO-Offload)", "measured",
              f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% ({summary.get('throughput_window', '')}); "
-             f"device peak {peak / GB:.1f} GB; optimizer {held.get('optimizer', 0) / GB:.1f} GB of which "
+             f"device peak {peak / GB:.1f} GB{planned}; optimizer {held.get('optimizer', 0) / GB:.1f} GB of which "
              f"{held.get('optimizer_host', 0) / GB:.1f} GB in host memory")]
 
 
@@ -122,19 +131,25 @@ def main() -> None:
     parts = {"memory": read_json(out / "memory.json"),
              "throughput_bf16": last_json(out / "throughput_bf16.log"),
              "throughput_fp8": last_json(out / "throughput_fp8.log"),
+             "throughput_bf16_acc8": last_json(out / "throughput_bf16_acc8.log"),
+             "throughput_fp8_acc8": last_json(out / "throughput_fp8_acc8.log"),
              "throughput_4l": last_json(out / "throughput_4l.log"),
              "hf_4l": last_json(out / "hf_4l.log"),
-             "offload": read_json(out / "offload_run" / "summary.json")}
+             "offload": read_json(out / "offload_run" / "summary.json"),
+             "offload_plan": last_json(out / "offload_plan.log")}
     rows = (test_rows(out / "junit.xml") + memory_rows(parts["memory"])
             + throughput_rows("bf16", parts["throughput_bf16"]) + throughput_rows("fp8", parts["throughput_fp8"])
+            + throughput_rows("bf16 8 micro-batches", parts["throughput_bf16_acc8"])
+            + throughput_rows("fp8 8 micro-batches", parts["throughput_fp8_acc8"])
             + throughput_rows("4 layers", parts["throughput_4l"]) + hf_rows(parts["throughput_4l"], parts["hf_4l"])
-            + offload_rows(parts["offload"]))
-    bf16, fp8 = parts["throughput_bf16"], parts["throughput_fp8"]
-    try:
-        fp8_speedup = fp8["modes"]["compile"]["tokens_per_s"] / bf16["modes"]["compile"]["tokens_per_s"]  # type: ignore[index]
-        rows.append(("fp8 / bf16, compiled", "measured", f"x{fp8_speedup:.3f}"))
-    except (KeyError, TypeError):
-        pass
+            + offload_rows(parts["offload"], parts["offload_plan"]))
+    for suffix, label in (("", ""), ("_acc8", ", 8 micro-batches per step")):
+        bf16, fp8 = parts["throughput_bf16" + suffix], parts["throughput_fp8" + suffix]
+        try:
+            fp8_speedup = fp8["modes"]["compile"]["tokens_per_s"] / bf16["modes"]["compile"]["tokens_per_s"]  # type: ignore[index]
+            rows.append((f"fp8 / bf16, compiled{label}", "measured", f"x{fp8_speedup:.3f}"))
+        except (KeyError, TypeError):
+            pass
     table = "\n".join(["| test / benchmark | result | figure |", "|---|---|---|"]
                       + [f"| {name} | {outcome} | {figure} |" for name, outcome, figure in rows])
     (out / "table.md").write_text(table + "\n")
