@@ -204,3 +204,29 @@ def test_wandb_runs_of_one_sweep_share_a_group() -> None:
     assert first["group"] == second["group"] == "12-00-00"
     assert (first["name"], second["name"]) == ("0", "1")
     assert wandb_init("multirun/2026-11-21/12-30-00/0")["group"] != first["group"]
+
+
+def test_a_finished_run_leaves_nothing_for_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs of a Hydra sweep run one after the other in one process, and each `train` freezes what
+    exists when it starts (gc.freeze): a finished run left in a reference cycle for the collector would
+    be frozen with its model and optimizer copies for the rest of the sweep. So the strategy (which holds
+    the precision plugin and, through it, the model and the fp32 masters) is gone when `train` returns.
+    Fails without `train`'s collection after the teardown once anything makes a cycle through the
+    strategy (checked by adding `self._cycle = self` to Strategy.connect_precision)."""
+
+    import weakref
+
+    import trainer.run as run_module
+
+    built: list[weakref.ref] = []
+    build = run_module.build_trainer
+
+    def recording_build(*args: object, **kwargs: object) -> object:
+        trainer = build(*args, **kwargs)
+        built.extend([weakref.ref(trainer.strategy), weakref.ref(trainer.precision)])
+        return trainer
+
+    monkeypatch.setattr(run_module, "build_trainer", recording_build)
+    run(tmp_path, "strategy=zero1", "trainer.devices=1", "precision=bf16_true", "trainer.max_steps=2",
+        "trainer.val_every=0")
+    assert len(built) == 2 and [ref() for ref in built] == [None, None]

@@ -283,4 +283,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     del trainer
     gc.collect()
     strategy.teardown()
+    # What of the run is still in a reference cycle is collected now: the next job of a sweep starts with
+    # gc.freeze(), which would keep it (the model, the optimizer's copies) for the rest of the sweep.
+    del strategy
+    gc.collect()
     return summary
