@@ -54,6 +54,16 @@ def _multi_process(item: pytest.Item) -> bool:
     return item.get_closest_marker("slow") is not None
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How long each shared launch and job took (they run beside the tests: what keeps the suite's time)."""
+    from tests.launch_pool import POOL
+
+    if POOL.timings:
+        terminalreporter.section("shared launches and jobs (tests/launch_pool.py)")
+        for label, seconds in sorted(POOL.timings, key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {label}")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The session's shared launches (tests/launch_pool.py) wrote into one temporary directory."""
     from tests.launch_pool import POOL, remove_pool

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -63,6 +64,7 @@ class Job:
     command: list[str]
     process: Optional[subprocess.Popen[str]] = None
     result: Optional[tuple[int, str]] = None  # exit code, output
+    started: float = 0.0  # time.perf_counter() at its start
 
 
 class LaunchPool:
@@ -79,6 +81,8 @@ class LaunchPool:
         self._process: subprocess.Popen[str] | None = None  # the launch running now
         self._stopped = False
         self.jobs: dict[str, Job] = {}
+        # (what ran, seconds from its start to its end) per launch and job: the session's summary prints them
+        self.timings: list[tuple[str, float]] = []
 
     def directory(self, module: str) -> Path:
         """Where a module's runs write: `<root>/<module>/np<world>/<name>`."""
@@ -138,9 +142,16 @@ class LaunchPool:
         if job.process is None:
             # into a file, not a pipe: nobody reads the job's output until a test needs its results
             self.jobs_root.mkdir(parents=True, exist_ok=True)
+            job.started = time.perf_counter()
             with open(self._job_log(job), "w") as log:
                 job.process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                cwd=REPO, start_new_session=True)
+            threading.Thread(target=self._time_job, args=(job,), name=f"job-{job.module}", daemon=True).start()
+
+    def _time_job(self, job: Job) -> None:
+        assert job.process is not None
+        job.process.wait()
+        self.timings.append((f"job {job.module}", time.perf_counter() - job.started))
 
     def start(self, modules: set[str]) -> None:
         """Start the jobs of `modules`, and launch, in a background thread and in `ensure`'s order, every run
@@ -221,6 +232,15 @@ class LaunchPool:
             if batch.prepare is not None:
                 batch.prepare()
         pending = [(batch, run) for batch in batches for run in batch.runs]
+        started = time.perf_counter()
+        label = (f"launch of {world} process(es), stage {stage}: {len(pending)} runs of "
+                 + ", ".join(sorted({batch.module for batch in batches})))
+        try:
+            self._run_pending(world, stage, pending)
+        finally:
+            self.timings.append((label, time.perf_counter() - started))
+
+    def _run_pending(self, world: int, stage: int, pending: list[tuple[Batch, dict[str, Any]]]) -> None:
         attempt = 0
         while pending and not self._stopped:
             output, done = self._torchrun(world, stage, attempt, [run for _, run in pending])
