@@ -519,3 +519,48 @@ def test_data_parallel_strategies_reproduce_the_single_process_run(tmp_path: Pat
         for key, value in reference.items():
             torch.testing.assert_close(weights[key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
         assert all(torch.equal(weights[key], reference[key]) for key in biases), name
+
+
+@pytest.mark.parametrize("q_lora_rank", [64, None])
+def test_the_planner_counts_what_multi_head_latent_attention_saves_for_backward(q_lora_rank: int | None) -> None:
+    """The activation model's MLA terms (trainer/planner/activations.py `mla_saved_tensors`) against what a
+    dense DeepSeek-V3 block saves for its backward, fp32 on the CPU (storages counted once, parameters and
+    buffers excluded), with a query latent and without one (full-rank queries): equal to the byte, for the
+    attention half and for the whole block. The CPU's fused SDPA kernel needs one head width for q, k and
+    v, so this attention (value width 32, query/key width 48) takes the math path: the scores are saved.
+    (The MoE blocks' routing and dispatch tensors and the MTP module's activations are not modelled yet.)"""
+    from trainer.planner.activations import layer_bytes, mla_saved_tensors, saved_tensors
+    from trainer.planner.layout import model_config
+    from trainer.planner.params import inventory
+
+    cfg = compose(["model=deepseek_v3_tiny", f"model.q_lora_rank={'null' if q_lora_rank is None else q_lora_rank}"])
+    config = model_config(cfg)
+    torch.manual_seed(0)
+    model = DeepSeekV3(config)
+    model.init_weights()
+    block = model.layers["0"]  # first_k_dense_replace = 1: a dense SwiGLU block
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+    def saved_bytes(forward: Any) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in excluded:
+                storages[key] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            forward()
+        return sum(storages.values())
+
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, config.dim, requires_grad=True)
+    rope = model._rope(seq, None)
+    attention = saved_bytes(lambda: block.attention(block.attention_norm(x), rope))
+    whole = saved_bytes(lambda: block(x, rope, None))
+    inv = dataclasses.replace(inventory(config), ffn_dim=config.ffn_hidden_dim)
+    estimated_attention = mla_saved_tensors(inv, seq, batch, 4, 4, casts=False, fused_norm=False, materialized=True)
+    assert sum(t.bytes(1, False) for t in estimated_attention if "none" in t.kept_by) == attention
+    tensors = saved_tensors(inv, seq, batch, 4, 4, materialized=True, residual_bytes=4, fused_norm=False)
+    assert layer_bytes(tensors, "none", 1, False) == whole

@@ -206,32 +206,97 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
             Saved("fc2 output", sb * h, e, FULL, frozenset({"selective"})),
             *weight_copies,
         ]
-    q, kv = inv.attention_dim, inv.kv_dim
-    exchanged = [Saved("attention output before the all-to-all", sb * q, e, TP, frozenset({"none", "selective"}))]
-    # Qwen3's per-head q/k RMSNorm: its input (the wq/wk output), x*rstd and rstd (one per head and token)
-    qk_norm = [Saved("q_norm/k_norm input (wq/wk outputs)", sb * (q + kv), e, TP),
-               Saved("q_norm/k_norm x*rstd", sb * (q + kv), e, TP),
-               Saved("q_norm/k_norm rstd", sb * (a + inv.n_kv_heads), 4, TP)]
-    # under autocast each projection casts the (fp32) norm output itself: one copy per reader
-    attention_readers, ffn_readers = (3, 2) if casts else (1, 1)
+    if inv.kv_lora_rank:
+        attention = mla_saved_tensors(inv, s, b, e, r, casts=casts, fused_norm=fused_norm,
+                                      materialized=materialized, score_len=score_len)
+    else:
+        attention = llama_attention_saved(inv, s, b, e, r, casts=casts, fused_norm=fused_norm)
+    # under autocast each ffn projection casts the (fp32) norm output itself: one copy per reader
+    ffn_readers = 2 if casts else 1
     each = " (each projection's own cast)" if casts else ""
-    return [*(exchanged if all_to_all else []), *(qk_norm if inv.qk_norm else []),
-        *rms_norm_saved("attention_norm", sb * h, sb, r, fused_norm, selective, block_input=True),
-        Saved(f"wq/wk/wv input (gathered norm output){each}", attention_readers * sb * h, e, FULL),
-        Saved("q after RoPE", sb * q, e, TP),
-        Saved("k, v after RoPE", 2 * sb * kv, e, TP),
-        Saved("attention output (wo input)", sb * q, e, TP, selective),
-        Saved("attention logsumexp", a * sb, 4, TP, frozenset({"none", "selective"})),
+    exchanged = [Saved("attention output before the all-to-all", sb * inv.n_heads * inv.value_dim, e, TP,
+                       frozenset({"none", "selective"}))]
+    return [*(exchanged if all_to_all else []), *attention,
         *rms_norm_saved("ffn_norm", sb * h, sb, r, fused_norm, KEEP_ALL),
         Saved(f"w1/w3 input (gathered norm output){each}", ffn_readers * sb * h, e, FULL),
         Saved("w1 x, w3 x", 2 * sb * f, e, TP, selective),
         Saved("silu(w1 x), product (w2 input)", 2 * sb * f, e, TP),
         *weight_copies,
         # op-level selective: matmul outputs kept in place of what is recomputed from them
-        Saved("wq/wk/wv outputs (before RoPE)", sb * (q + 2 * kv), e, TP, frozenset({"selective"})),
         Saved("wo, w2 outputs (partial sums under TP)", 2 * sb * h, e, FULL, frozenset({"selective"})),
         Saved("wo, w2 reduce-scatter outputs", 2 * sb * h, e, SP, frozenset({"selective"}), only_tp_sp=True),
     ]
+
+
+def llama_attention_saved(inv: ModelInventory, s: int, b: int, e: int, r: int, *, casts: bool,
+                          fused_norm: bool) -> list[Saved]:
+    """The attention half of a Llama (Qwen3) block: its norm, the q/k/v projections' input, q and k after
+    RoPE, v, the attention output and log-sum-exp (fused SDPA), Qwen3's q/k norms; with op-level selective
+    the projections' outputs."""
+    sb, h, a = s * b, inv.dim, inv.n_heads
+    selective = frozenset({"none", "attention", "selective"})
+    q, kv = inv.attention_dim, inv.kv_dim
+    # Qwen3's per-head q/k RMSNorm: its input (the wq/wk output), x*rstd and rstd (one per head and token)
+    qk_norm = [Saved("q_norm/k_norm input (wq/wk outputs)", sb * (q + kv), e, TP),
+               Saved("q_norm/k_norm x*rstd", sb * (q + kv), e, TP),
+               Saved("q_norm/k_norm rstd", sb * (a + inv.n_kv_heads), 4, TP)]
+    # under autocast each projection casts the (fp32) norm output itself: one copy per reader
+    readers = 3 if casts else 1
+    each = " (each projection's own cast)" if casts else ""
+    return [*(qk_norm if inv.qk_norm else []),
+        *rms_norm_saved("attention_norm", sb * h, sb, r, fused_norm, selective, block_input=True),
+        Saved(f"wq/wk/wv input (gathered norm output){each}", readers * sb * h, e, FULL),
+        Saved("q after RoPE", sb * q, e, TP),
+        Saved("k, v after RoPE", 2 * sb * kv, e, TP),
+        Saved("attention output (wo input)", sb * q, e, TP, selective),
+        Saved("attention logsumexp", a * sb, 4, TP, frozenset({"none", "selective"})),
+        Saved("wq/wk/wv outputs (before RoPE)", sb * (q + 2 * kv), e, TP, frozenset({"selective"})),
+    ]
+
+
+def mla_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, r: int, *, casts: bool, fused_norm: bool,
+                      materialized: bool, score_len: int | None = None) -> list[Saved]:
+    """The attention half of a DeepSeek-V3 block, multi-head latent attention (trainer/models/deepseek_v3/
+    mla.py): the block's norm, the input of the two down-projections (wq_a, wkv_a), the query latent's norm
+    and the kv latent's norm with what they keep (the kv norm reads a view of the wkv_a output, whose
+    storage holds the rotated key part too), the up-projections' inputs, then the attention itself:
+    fused (q, k, the storage of v, which is the wkv_b output, the output and the log-sum-exp) or, where
+    SDPA takes its math path (the CPU when the value width differs from the query/key width), q and k,
+    the softmax output, a contiguous copy of v and the output. With op-level selective every matmul's
+    output (the bmm's of the math path too) instead."""
+    sb, h, a = s * b, inv.dim, inv.n_heads
+    dq, dv, dr = inv.head_dim, inv.value_dim, inv.rope_head_dim
+    ql, kvr = inv.q_lora_rank, inv.kv_lora_rank
+    asb = a * s * (s if score_len is None else score_len) * b
+    kept = frozenset({"none", "attention", "selective"})
+    readers = 2 if casts else 1  # wq_a (or wq) and wkv_a each cast the norm output under autocast
+    each = " (each projection's own cast)" if casts else ""
+    saved = [*rms_norm_saved("attention_norm", sb * h, sb, r, fused_norm, kept, block_input=True),
+             Saved(f"wq_a/wkv_a input (norm output){each}", readers * sb * h, e, FULL)]
+    if ql:
+        saved += [*rms_norm_saved("q_norm", sb * ql, sb, e, fused_norm, KEEP_ALL),
+                  Saved("wq_b input (q_norm output)", sb * ql, e, TP),
+                  Saved("wq_a output", sb * ql, e, TP, frozenset({"selective"}))]
+    kv_norm = rms_norm_saved("kv_norm", sb * kvr, sb, e, fused_norm, KEEP_ALL)
+    if fused_norm or e >= 4:  # it keeps its input, a view of the wkv_a output: that whole storage
+        kv_norm[0] = Saved("kv_norm input (the wkv_a output, the rotated key part too)", sb * (kvr + dr), e, TP)
+    saved += [*kv_norm, Saved("wkv_b input (kv_norm output)", sb * kvr, e, TP),
+              Saved("wkv_a output", sb * (kvr + dr), e, TP, frozenset({"selective"})),
+              Saved("wq_b (or wq), wkv_b outputs", sb * a * (2 * dq - dr + dv), e, TP, frozenset({"selective"}))]
+    if materialized:
+        saved += [Saved("q, k (for QK^T)", 2 * sb * a * dq, e, TP),
+                  Saved("softmax output", asb, e, TP, frozenset({"none"})),
+                  Saved("v (a contiguous copy, for attention x V)", sb * a * dv, e, TP, frozenset({"none"})),
+                  Saved("v's storage (the wkv_b output: the attention module's input)", sb * a * (dq - dr + dv), e,
+                        TP, frozenset({"attention"})),
+                  Saved("QK^T output", asb, e, TP, frozenset({"selective"})),
+                  Saved("attention output (wo input)", sb * a * dv, e, TP, kept)]
+    else:
+        saved += [Saved("q, k after RoPE", 2 * sb * a * dq, e, TP),
+                  Saved("v's storage (the wkv_b output)", sb * a * (dq - dr + dv), e, TP),
+                  Saved("attention output (wo input)", sb * a * dv, e, TP, kept),
+                  Saved("attention logsumexp", a * sb, 4, TP, frozenset({"none", "selective"}))]
+    return saved
 
 
 def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_parallel: bool, *,
@@ -365,6 +430,8 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
     fused_norm = device_type == "cuda"  # torch's fused RMSNorm kernel (the CPU runs the composite)
     mask_bytes = 1 if device_type == "cuda" else e
     materialized = inv.attn_impl == "materialized" or (inv.dropout > 0 and device_type == "cpu")
+    if inv.kv_lora_rank and device_type == "cpu" and inv.value_dim != inv.head_dim:
+        materialized = True  # the CPU's fused SDPA kernel needs one width for q, k and v: the math path
     if layout.cp > 1 and layout.cp_method == "ring":
         materialized = False
     a2a = layout.cp > 1 and layout.cp_method == "all_to_all"

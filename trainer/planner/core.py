@@ -243,8 +243,9 @@ def activation_formula(inv: ModelInventory, layout: Layout) -> str:
             base += ("; autocast over fp32 weights: fp32 residual stream and norms (r = 4), each projection's own "
                      "cast of its input (+3e*sbh) and e-byte copies of the matmul weights")
         if inv.family == "deepseek_v3":
-            base += (" (DeepSeek-V3: every block as an MoE block with f = (top_k + shared) x expert width, "
-                     "h_kv = heads x qk_head_dim; MLA's latents and the MTP module's activations not modelled)")
+            base += (" (DeepSeek-V3: multi-head latent attention term by term, its latents and norms included; "
+                     "every block's feed-forward as a SwiGLU of f = (top_k + shared) x expert width: the MoE "
+                     "layers' routing and dispatch tensors and the MTP module's activations not modelled)")
     schedule = layout.schedule if layout.pp > 1 else "(no pipeline)"
     cp = f"; s = {layout.local_seq_len} tokens per rank (cp={layout.cp})" if layout.cp > 1 else ""
     return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}{cp}"

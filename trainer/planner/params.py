@@ -83,6 +83,11 @@ class ModelInventory:
     count_mtp: bool = False
     # Value width per head when it differs from the query/key width `head_dim` (MLA); 0: head_dim.
     v_head_dim: int = 0
+    # Multi-head latent attention (DeepSeek-V3; 0: none): the query and key/value latent widths (no query
+    # latent: q_lora_rank 0) and the rotated key part shared by the heads, what the activation model needs.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
 
     @property
     def attention_dim(self) -> int:
@@ -324,8 +329,9 @@ def _deepseek_v3_inventory(cfg: Any) -> ModelInventory:
                 ParamSpec(prefix + "eh_proj.weight", (h, 2 * h), None, True),
                 *(ParamSpec(prefix + "block." + p.name, p.shape, p.tp_dim, p.matmul, p.expert, p.active) for p in moe),
                 ParamSpec(prefix + "norm.weight", (h,), None))
-    # The activation model sees an MoE block of these widths (a Llama-like block: MLA's latents are not
-    # modelled): SwiGLU width top_k x expert + shared, query/key width qk_head_dim per head.
+    # The activation model sees MLA term by term (q_lora_rank, kv_lora_rank, rope_head_dim below) and the
+    # feed-forward as a SwiGLU of width top_k x expert + shared (the routing and dispatch tensors are not
+    # modelled); query/key width qk_head_dim per head.
     ffn = cfg.top_k * cfg.moe_hidden_dim + cfg.n_shared_experts * cfg.moe_hidden_dim
     return ModelInventory(
         family="deepseek_v3", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
@@ -335,6 +341,7 @@ def _deepseek_v3_inventory(cfg: Any) -> ModelInventory:
                                                                ParamSpec("output.weight", (v, h), None, True)),
         n_experts=cfg.n_experts, top_k=cfg.top_k, layer_groups=groups if len(groups) > 1 else (),
         mtp=mtp, mtp_blocks=cfg.mtp_depth, count_mtp=cfg.count_mtp_params, v_head_dim=cfg.v_head_dim,
+        q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank, rope_head_dim=cfg.qk_rope_head_dim,
     )
 
 
