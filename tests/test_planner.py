@@ -185,6 +185,35 @@ def test_activation_estimate_matches_what_a_forward_saves_for_backward(case: str
     assert estimate.device == pytest.approx(meter.bytes, rel=0.02)  # how close it is today (activations.py)
 
 
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("model", ["tiny_moe", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+def test_moe_activation_estimate_matches_what_a_forward_saves_for_backward(model: str, policy: str) -> None:
+    """The MoE families (fp32, CPU): an MoE layer keeps, beyond a SwiGLU of width top_k x expert + shared,
+    the dispatched tokens, the experts' outputs and their weighted sum, the router's fp32 logits and
+    probabilities and the routing indices (`moe_saved_tensors`); DeepSeek-V3 adds its dense first block
+    (its own kind of block), multi-head latent attention and the MTP module. Measured within 0.4% (none)
+    and 0.2% (full) for Mixtral-style and Qwen3-MoE; DeepSeek-V3 +1.0% (none) and +3.8% (full: the MTP
+    module, tests/test_deepseek_v3.py); before the MoE terms the MoE models were 17-25% under with none.
+    Op-level selective is not modelled for the MoE layer (13-82% over): not checked here."""
+    from hydra.utils import instantiate
+
+    from trainer.loss import cross_entropy_loss
+    from trainer.plugins.activation_checkpointing.accounting import SavedActivationMeter
+
+    cfg = compose([f"model={model}", "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.global_batch_size=2",
+                   f"activation_checkpointing={policy}"])
+    torch.manual_seed(0)
+    config = model_config(cfg)
+    network = build_model(config)
+    meter = SavedActivationMeter.applying(instantiate(cfg.activation_checkpointing), network)
+    tokens = torch.randint(0, config.vocab_size, (2, 64))
+    with meter:
+        cross_entropy_loss(network(tokens), tokens)
+    estimate = estimate_activations(inventory(config), layout_from_config(cfg), 0, "cpu")
+    tolerance = 0.05 if model == "deepseek_v3_tiny" else 0.01
+    assert estimate.device == pytest.approx(meter.bytes, rel=tolerance)
+
+
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_autocast_activation_estimate_matches_what_a_forward_saves_for_backward(policy: str) -> None:
     """Under bf16 autocast over fp32 weights (precision=bf16) the forward saves more than its 16-bit

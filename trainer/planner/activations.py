@@ -68,7 +68,7 @@ micro-batch in flight, the input it received and the output it sent (full hidden
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.planner.layout import Layout
 from trainer.planner.memory import RankPart, rank_part
@@ -216,7 +216,7 @@ def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int =
     each = " (each projection's own cast)" if casts else ""
     exchanged = [Saved("attention output before the all-to-all", sb * inv.n_heads * inv.value_dim, e, TP,
                        frozenset({"none", "selective"}))]
-    return [*(exchanged if all_to_all else []), *attention,
+    return [*(exchanged if all_to_all else []), *attention, *(moe_saved_tensors(inv, s, b, e) if inv.n_experts else []),
         *rms_norm_saved("ffn_norm", sb * h, sb, r, fused_norm, KEEP_ALL),
         Saved(f"w1/w3 input (gathered norm output){each}", ffn_readers * sb * h, e, FULL),
         Saved("w1 x, w3 x", 2 * sb * f, e, TP, selective),
@@ -318,6 +318,44 @@ def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_paralle
         *copy,
         Saved("log-softmax (fp32)", sb * inv.vocab_size, 4, TP if loss_parallel else FULL),
     ]
+
+
+def block_inventory(inv: ModelInventory, specs: tuple[ParamSpec, ...]) -> ModelInventory:
+    """`inv` as one kind of its blocks sees it: the feed-forward width of that block (a dense SwiGLU's w1
+    rows, or top_k expert widths plus the shared experts') and whether it routes to experts."""
+    if not inv.layer_groups:
+        return inv
+    dense = [p for p in specs if p.name.endswith("feed_forward.w1.weight")]
+    experts = [p for p in specs if p.name.endswith("experts.w1") and p.expert]
+    if dense:
+        return replace(inv, ffn_dim=dense[0].shape[0], n_experts=0)
+    shared = sum(p.shape[0] for p in specs if p.name.endswith("shared_experts.w1.weight"))
+    return replace(inv, ffn_dim=inv.top_k * experts[0].shape[1] + shared) if experts else inv
+
+
+def moe_saved_tensors(inv: ModelInventory, s: int, b: int, e: int) -> list[Saved]:
+    """What an MoE layer (trainer/models/moe.py) keeps beyond a SwiGLU of width top_k x expert + shared:
+    the tokens gathered for the experts, the experts' outputs and their weighted sum (top_k rows per token
+    each), the router's fp32 logits and probabilities, and the routing's indices and weights."""
+    tokens, k = s * b, inv.top_k
+    return [Saved("tokens dispatched to the experts, their outputs and weighted outputs", 3 * tokens * k * inv.dim,
+                  e, FULL),
+            Saved("router logits and probabilities (fp32)", 2 * tokens * inv.n_experts, 4, FULL),
+            Saved("routing: chosen experts and their order (int64), combine weights (fp32)", tokens * k * 3,
+                  8, FULL)]
+
+
+def mtp_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, r: int, *, fused_norm: bool) -> list[Saved]:
+    """What one multi-token-prediction depth keeps beyond its block (trainer/models/deepseek_v3/model.py
+    `MTPModule` and the loss the model computes with it): the two input norms, the concatenation eh_proj
+    reads, the final norm, the output head's input and the fp32 log-probabilities of its loss."""
+    sb, h = s * b, inv.dim
+    return [*rms_norm_saved("MTP enorm", sb * h, sb, r, fused_norm, KEEP_ALL),
+            *rms_norm_saved("MTP hnorm", sb * h, sb, r, fused_norm, KEEP_ALL),
+            Saved("MTP eh_proj input (both norms' outputs)", 2 * sb * h, e, FULL),
+            *rms_norm_saved("MTP final norm", sb * h, sb, r, fused_norm, KEEP_ALL),
+            Saved("MTP output head input", sb * h, e, FULL),
+            Saved("MTP log-softmax (fp32)", sb * inv.vocab_size, 4, FULL)]
 
 
 def embedding_saved_tensors(inv: ModelInventory, s: int, b: int, mask_bytes: int = 1) -> list[Saved]:
@@ -436,20 +474,27 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         materialized = False
     a2a = layout.cp > 1 and layout.cp_method == "all_to_all"
     block_weights, largest_weight = matmul_weight_elements(inv.layer, layout)
-    tensors = saved_tensors(inv, s, b, e, mask_bytes, materialized, score_len=layout.seq_len,
-                            all_to_all=a2a and not materialized, residual_bytes=r, casts=casts,
-                            fused_norm=fused_norm, cast_weights=block_weights)
+    # one list of saved tensors per kind of block (DeepSeek-V3: dense first blocks, then MoE ones), and
+    # the per-layer figures averaged over the layers
+    groups = [(count, saved_tensors(block_inventory(inv, specs), s, b, e, mask_bytes, materialized,
+                                    score_len=layout.seq_len, all_to_all=a2a and not materialized,
+                                    residual_bytes=r, casts=casts, fused_norm=fused_norm,
+                                    cast_weights=block_weights)) for count, specs in inv.blocks()]
+
+    def layer_average(kept_by: str) -> float:
+        return sum(count * layer_bytes(tensors, kept_by, t, sp) for count, tensors in groups) / inv.n_layers
+
     policy = layout.checkpointing
-    none = layer_bytes(tensors, "none", t, sp)
+    none = layer_average("none")
     part: RankPart = rank_part(inv, layout, pp_rank)
     in_flight = in_flight_microbatches(layout, pp_rank)
     checkpointed = checkpointed_layers(layout, inv, pp_rank)
     if policy in ("full", "every_n"):
-        kept = layer_bytes(tensors, "full", t, sp)
+        kept = layer_average("full")
         per_step_layers = checkpointed * kept + (part.layers - checkpointed) * none
         per_layer = per_step_layers / max(part.layers, 1)
     elif policy in ("attention", "selective"):
-        per_layer = layer_bytes(tensors, policy, t, sp)
+        per_layer = layer_average(policy)
     else:
         per_layer = none
     blocks = per_layer * part.layers * in_flight
@@ -469,6 +514,14 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         head_cast = matmul_weight_elements(head_specs, layout)[0] if casts else 0.0
         last = head_in_flight * sum(x.bytes(t, sp) for x in head_saved_tensors(
             inv, s, b, e, layout.loss_parallel, residual_bytes=r, fused_norm=fused_norm, cast_weights=head_cast))
+        # DeepSeek-V3's multi-token prediction: each depth's module runs outside the checkpointed blocks and
+        # computes its own loss in the forward, so it keeps everything its block saves, plus its norms, its
+        # projection's input and the fp32 log-probabilities of its head
+        for depth in range(1, inv.mtp_blocks + 1):
+            length = max(s - depth - 1, 0)
+            last += head_in_flight * (
+                layer_bytes(groups[-1][1], "none", t, sp) * length / s + sum(x.bytes(t, sp) for x in mtp_saved_tensors(
+                    inv, length, b, e, r, fused_norm=fused_norm)))
         tokens_x_vocab = s * b * inv.vocab_size / (t if layout.loss_parallel else 1)
         log_probs = tokens_x_vocab * 4
         # the step holds the logits (compute dtype) until its backward is done; the loss reads an fp32 copy
@@ -478,7 +531,7 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         loss_backward = 2 * tokens_x_vocab * 4
     recompute = 0.0
     if checkpointed or policy in ("attention", "selective"):
-        recompute = none - (layer_bytes(tensors, "full", t, sp) if policy in ("full", "every_n") else per_layer)
+        recompute = none - (layer_average("full") if policy in ("full", "every_n") else per_layer)
     boundaries = 0.0
     if layout.pp > 1:
         # a stage keeps each in-flight micro-batch's received input and produced output (full hidden states,

@@ -245,7 +245,8 @@ def activation_formula(inv: ModelInventory, layout: Layout) -> str:
         if inv.family == "deepseek_v3":
             base += (" (DeepSeek-V3: multi-head latent attention term by term, its latents and norms included; "
                      "every block's feed-forward as a SwiGLU of f = (top_k + shared) x expert width: the MoE "
-                     "layers' routing and dispatch tensors and the MTP module's activations not modelled)")
+                     "layers' routing and dispatch tensors not modelled; each MTP depth: its block's saved tensors, norms, "
+                     "head input and fp32 log-probabilities, outside the checkpointed blocks)")
     schedule = layout.schedule if layout.pp > 1 else "(no pipeline)"
     cp = f"; s = {layout.local_seq_len} tokens per rank (cp={layout.cp})" if layout.cp > 1 else ""
     return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}{cp}"
