@@ -558,7 +558,7 @@ def test_the_planner_counts_what_multi_head_latent_attention_saves_for_backward(
     rope = model._rope(seq, None)
     attention = saved_bytes(lambda: block.attention(block.attention_norm(x), rope))
     whole = saved_bytes(lambda: block(x, rope, None))
-    inv = block_inventory(inventory(config), inventory(config).blocks()[0][1])  # the dense block's widths
+    inv = block_inventory(inventory(config), 0)  # the dense block's widths
     estimated_attention = mla_saved_tensors(inv, seq, batch, 4, 4, casts=False, fused_norm=False, materialized=True)
     assert sum(t.bytes(1, False) for t in estimated_attention if "none" in t.kept_by) == attention
     tensors = saved_tensors(inv, seq, batch, 4, 4, materialized=True, residual_bytes=4, fused_norm=False)

@@ -320,17 +320,13 @@ def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_paralle
     ]
 
 
-def block_inventory(inv: ModelInventory, specs: tuple[ParamSpec, ...]) -> ModelInventory:
-    """`inv` as one kind of its blocks sees it: the feed-forward width of that block (a dense SwiGLU's w1
-    rows, or top_k expert widths plus the shared experts') and whether it routes to experts."""
-    if not inv.layer_groups:
+def block_inventory(inv: ModelInventory, group: int) -> ModelInventory:
+    """`inv` as the blocks of its `group`-th kind see it (`ModelInventory.layer_group_ffn`): their
+    feed-forward width and whether they route to experts."""
+    if not inv.layer_group_ffn:
         return inv
-    dense = [p for p in specs if p.name.endswith("feed_forward.w1.weight")]
-    experts = [p for p in specs if p.name.endswith("experts.w1") and p.expert]
-    if dense:
-        return replace(inv, ffn_dim=dense[0].shape[0], n_experts=0)
-    shared = sum(p.shape[0] for p in specs if p.name.endswith("shared_experts.w1.weight"))
-    return replace(inv, ffn_dim=inv.top_k * experts[0].shape[1] + shared) if experts else inv
+    ffn_dim, routed = inv.layer_group_ffn[group]
+    return replace(inv, ffn_dim=ffn_dim, n_experts=inv.n_experts if routed else 0)
 
 
 def moe_saved_tensors(inv: ModelInventory, s: int, b: int, e: int) -> list[Saved]:
@@ -476,10 +472,12 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
     block_weights, largest_weight = matmul_weight_elements(inv.layer, layout)
     # one list of saved tensors per kind of block (DeepSeek-V3: dense first blocks, then MoE ones), and
     # the per-layer figures averaged over the layers
-    groups = [(count, saved_tensors(block_inventory(inv, specs), s, b, e, mask_bytes, materialized,
-                                    score_len=layout.seq_len, all_to_all=a2a and not materialized,
-                                    residual_bytes=r, casts=casts, fused_norm=fused_norm,
-                                    cast_weights=block_weights)) for count, specs in inv.blocks()]
+    def block_tensors(kind: ModelInventory) -> list[Saved]:
+        return saved_tensors(kind, s, b, e, mask_bytes, materialized, score_len=layout.seq_len,
+                             all_to_all=a2a and not materialized, residual_bytes=r, casts=casts,
+                             fused_norm=fused_norm, cast_weights=block_weights)
+
+    groups = [(count, block_tensors(block_inventory(inv, group))) for group, (count, _) in enumerate(inv.blocks())]
 
     def layer_average(kept_by: str) -> float:
         return sum(count * layer_bytes(tensors, kept_by, t, sp) for count, tensors in groups) / inv.n_layers
@@ -517,10 +515,12 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         # DeepSeek-V3's multi-token prediction: each depth's module runs outside the checkpointed blocks and
         # computes its own loss in the forward, so it keeps everything its block saves, plus its norms, its
         # projection's input and the fp32 log-probabilities of its head
+        # (an MTP block is an MoE block: `inv`'s own ffn_dim and n_experts)
+        mtp_block = layer_bytes(block_tensors(inv), "none", t, sp) if inv.mtp_blocks else 0.0
         for depth in range(1, inv.mtp_blocks + 1):
             length = max(s - depth - 1, 0)
             last += head_in_flight * (
-                layer_bytes(groups[-1][1], "none", t, sp) * length / s + sum(x.bytes(t, sp) for x in mtp_saved_tensors(
+                mtp_block * length / s + sum(x.bytes(t, sp) for x in mtp_saved_tensors(
                     inv, length, b, e, r, fused_norm=fused_norm)))
         tokens_x_vocab = s * b * inv.vocab_size / (t if layout.loss_parallel else 1)
         log_probs = tokens_x_vocab * 4

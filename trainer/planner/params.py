@@ -75,6 +75,10 @@ class ModelInventory:
     # Blocks of different kinds (DeepSeek-V3: first_k_dense_replace dense blocks, then MoE ones) as
     # (count, specs) in layer order, counts summing to n_layers; empty: all n_layers blocks are `layer`.
     layer_groups: tuple[tuple[int, tuple[ParamSpec, ...]], ...] = ()
+    # Per kind of block (`blocks()`): its feed-forward width for the activation model and whether it routes
+    # to experts (DeepSeek-V3: the dense SwiGLU's width; top_k x expert + shared for the MoE blocks); empty:
+    # `ffn_dim` and `n_experts` hold for every block.
+    layer_group_ffn: tuple[tuple[int, bool], ...] = ()
     # Multi-token-prediction modules (DeepSeek-V3), held with the head by the last stage; they reuse the
     # embedding and the output head (one more head matmul per depth). `mtp_blocks` transformer blocks.
     mtp: tuple[ParamSpec, ...] = ()
@@ -321,7 +325,12 @@ def _deepseek_v3_inventory(cfg: Any) -> ModelInventory:
     h, v = cfg.dim, cfg.vocab_size
     dense, moe = _deepseek_v3_block(cfg, moe=False), _deepseek_v3_block(cfg, moe=True)
     n_dense = cfg.first_k_dense_replace
-    groups = tuple((n, specs) for n, specs in ((n_dense, dense), (cfg.n_layers - n_dense, moe)) if n)
+    # The activation model's feed-forward widths: the dense SwiGLU's, and an MoE block's as a SwiGLU of width
+    # top_k x expert + shared (trainer/planner/activations.py adds the routing and dispatch tensors).
+    ffn = cfg.top_k * cfg.moe_hidden_dim + cfg.n_shared_experts * cfg.moe_hidden_dim
+    kinds = ((n_dense, dense, (cfg.ffn_hidden_dim, False)), (cfg.n_layers - n_dense, moe, (ffn, True)))
+    groups = tuple((n, specs) for n, specs, _ in kinds if n)
+    group_ffn = tuple(widths for n, _, widths in kinds if n)
     mtp: tuple[ParamSpec, ...] = ()
     for k in range(cfg.mtp_depth):
         prefix = f"mtp.{cfg.n_layers + k}."
@@ -329,10 +338,7 @@ def _deepseek_v3_inventory(cfg: Any) -> ModelInventory:
                 ParamSpec(prefix + "eh_proj.weight", (h, 2 * h), None, True),
                 *(ParamSpec(prefix + "block." + p.name, p.shape, p.tp_dim, p.matmul, p.expert, p.active) for p in moe),
                 ParamSpec(prefix + "norm.weight", (h,), None))
-    # The activation model sees MLA term by term (q_lora_rank, kv_lora_rank, rope_head_dim below) and the
-    # feed-forward as a SwiGLU of width top_k x expert + shared (the routing and dispatch tensors are not
-    # modelled); query/key width qk_head_dim per head.
-    ffn = cfg.top_k * cfg.moe_hidden_dim + cfg.n_shared_experts * cfg.moe_hidden_dim
+    # MLA's widths (q_lora_rank, kv_lora_rank, rope_head_dim below): the activation model counts it term by term.
     return ModelInventory(
         family="deepseek_v3", n_layers=cfg.n_layers, dim=h, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
         head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, ffn_dim=ffn, vocab_size=v, tied=False,
@@ -340,6 +346,7 @@ def _deepseek_v3_inventory(cfg: Any) -> ModelInventory:
         layer=max(groups, key=lambda group: group[0])[1], head=(ParamSpec("norm.weight", (h,), None),
                                                                ParamSpec("output.weight", (v, h), None, True)),
         n_experts=cfg.n_experts, top_k=cfg.top_k, layer_groups=groups if len(groups) > 1 else (),
+        layer_group_ffn=group_ffn,
         mtp=mtp, mtp_blocks=cfg.mtp_depth, count_mtp=cfg.count_mtp_params, v_head_dim=cfg.v_head_dim,
         q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank, rope_head_dim=cfg.qk_rope_head_dim,
     )
