@@ -244,9 +244,10 @@ def activation_formula(inv: ModelInventory, layout: Layout) -> str:
                      "cast of its input (+3e*sbh) and e-byte copies of the matmul weights")
         if inv.family == "deepseek_v3":
             base += (" (DeepSeek-V3: multi-head latent attention term by term, its latents and norms included; "
-                     "every block's feed-forward as a SwiGLU of f = (top_k + shared) x expert width: the MoE "
-                     "layers' routing and dispatch tensors not modelled; each MTP depth: its block's saved tensors, norms, "
-                     "head input and fp32 log-probabilities, outside the checkpointed blocks)")
+                     "the dense blocks' SwiGLU of their own width, the MoE blocks' as f = (top_k + shared) x expert "
+                     "width plus the dispatched tokens, expert outputs and routing tensors; each MTP depth: its "
+                     "block's saved tensors, norms, head input and fp32 log-probabilities, outside the "
+                     "checkpointed blocks)")
     schedule = layout.schedule if layout.pp > 1 else "(no pipeline)"
     cp = f"; s = {layout.local_seq_len} tokens per rank (cp={layout.cp})" if layout.cp > 1 else ""
     return f"{base}; policy {layout.checkpointing}; in-flight micro-batches by schedule {schedule}{cp}"
