@@ -18,7 +18,8 @@
 #  7. bf16 and fp8 again with 8 micro-batches per optimizer step (`--accumulation 8`): the optimizer's work
 #     per token of a multi-GPU run, where each GPU steps a shard of the parameters, or of any run with a
 #     global batch of several sequences per GPU;
-#  8. this trainer against benchmarks/hf_reference.py's plain Hugging Face loop, 4 layers, compiled, no AC;
+#  8. this trainer against benchmarks/hf_reference.py's plain Hugging Face loop, 4 layers, compiled, no AC (the
+#     trainer's run with a kernel table too);
 #  9. benchmarks/gpu_memory.py: the planner's device memory against the allocator's peak, Llama 3 8B width,
 #     2 and 4 layers x activation checkpointing none/selective/full;
 # 10. benchmarks/gpu_table.py: ONE markdown table (table.md) and ONE JSON object (suite.json); the logs,
@@ -97,7 +98,8 @@ part throughput_fp8 120 "$PY" benchmarks/gpu_throughput.py --precision fp8 --mod
 part throughput_bf16_acc8 90 "$PY" benchmarks/gpu_throughput.py --accumulation 8 --modes compile --steps 2 --warmup 2
 part throughput_fp8_acc8 90 "$PY" benchmarks/gpu_throughput.py --precision fp8 --accumulation 8 --modes compile \
     --steps 2 --warmup 2
-part throughput_4l 60 "$PY" benchmarks/gpu_throughput.py --layers 4 --ac none --modes compile --steps 5 --warmup 3
+part throughput_4l 60 "$PY" benchmarks/gpu_throughput.py --layers 4 --ac none --modes compile --steps 5 --warmup 3 \
+    --profile "$RESULTS/kernels_4l.txt"
 part hf_4l 120 "$PY" benchmarks/hf_reference.py --layers 4 --steps 5 --warmup 3
 part memory 75 "$PY" benchmarks/gpu_memory.py --layers 2,4 --ac none,selective,full --json "$RESULTS/memory.json"
 

@@ -114,10 +114,17 @@ def planned(overrides: list[str]) -> Any:
     return plan(cfg, exact=False, search=False)
 
 
-def layers_that_fit(args: argparse.Namespace, hardware: Optional[str], memory_gb: Optional[float]) -> tuple[int, Any]:
+def planned_compile(modes: list[str]) -> list[str]:
+    """The compile choice the planner is asked about: compiled only when every mode is (a compiled loss
+    keeps less than eager's, so a layer count that fits eager fits both)."""
+    return [f"trainer.compile={'true' if modes and all(m == 'compile' for m in modes) else 'false'}"]
+
+
+def layers_that_fit(args: argparse.Namespace, hardware: Optional[str], memory_gb: Optional[float],
+                    modes: list[str]) -> tuple[int, Any]:
     """The most layers (at most Llama 3 8B's 32) whose planner estimate fits this GPU, and that plan."""
     for layers in range(32, 0, -1):
-        result = planned(base_overrides(args, layers, hardware, memory_gb))
+        result = planned(base_overrides(args, layers, hardware, memory_gb) + planned_compile(modes))
         if result.fits:
             return layers, result
     raise SystemExit("not even one layer of the 8B width fits this GPU according to the planner")
@@ -245,11 +252,11 @@ def main() -> None:
         result.update(status="measured", device=name, hardware=hardware, device_memory_gb=memory_gb)
 
     if args.layers is None:
-        layers, estimate = layers_that_fit(args, hardware, memory_gb)
+        layers, estimate = layers_that_fit(args, hardware, memory_gb, modes)
         result["layers_from"] = "planner"
     else:
         layers = args.layers
-        estimate = planned(base_overrides(args, layers, hardware, memory_gb))
+        estimate = planned(base_overrides(args, layers, hardware, memory_gb) + planned_compile(modes))
         result["layers_from"] = "--layers"
     overrides = base_overrides(args, layers, hardware, memory_gb)
     tokens_per_step = args.seq_len * args.micro_batch * args.accumulation

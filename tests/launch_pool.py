@@ -25,6 +25,7 @@ need one process only are launches of one process (world size 1), for the same r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -129,7 +130,7 @@ class LaunchPool:
                 job.process.wait(timeout=LAUNCH_TIMEOUT_S)
                 note = ""
             except subprocess.TimeoutExpired:
-                os.killpg(job.process.pid, signal.SIGKILL)
+                kill_tree(job.process.pid)
                 job.process.wait()
                 note = f"\ntimed out after {LAUNCH_TIMEOUT_S} s"
             job.result = (job.process.returncode, self._job_log(job).read_text()[-6000:] + note)
@@ -175,7 +176,7 @@ class LaunchPool:
         self._stopped = True
         for process in [self._process] + [job.process for job in self.jobs.values()]:
             if process is not None and process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_tree(process.pid)
         self.wait_all()
 
     def _order(self) -> list[tuple[int, int]]:
@@ -268,13 +269,37 @@ class LaunchPool:
             stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
             output = stdout[-3000:] + stderr[-6000:]
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_tree(process.pid)
             stdout, stderr = process.communicate()
             output = f"timed out after {LAUNCH_TIMEOUT_S} s\n{stderr}"[-6000:]
         done = 0
         while done < len(runs) and (Path(runs[done]["dir"]) / "summary.json").exists():
             done += 1
         return output, done
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process started in its own session, its process group and every descendant.
+
+    The process group alone is not enough: torchrun starts each worker in a session of its own, so a
+    worker outlives a killed torchrun, holds its output pipes open (`communicate` waits for them) and
+    waits on its peers for good (seen: a session ended by `-x` waited 10 minutes for such a worker)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces, the fields after its ")" do not
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process has just ended
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, index = [pid], 0
+    while index < len(tree):
+        tree += children.get(tree[index], [])
+        index += 1
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for member in tree[1:]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
 
 
 def launch_harness(out: Path, nproc: int, runs: list[dict], count_collectives: bool = False) -> None:

@@ -214,6 +214,47 @@ def test_moe_activation_estimate_matches_what_a_forward_saves_for_backward(model
     assert estimate.device == pytest.approx(meter.bytes, rel=tolerance)
 
 
+@pytest.mark.slow
+def test_compiled_loss_matches_eager_and_keeps_what_the_planner_counts() -> None:
+    """`trainer.compile=true` runs the loss through Inductor (trainer.loss.cross_entropy_loss): on bf16
+    logits with ignored targets it gives eager's loss and gradient (measured: equal loss, gradients within
+    one bf16 rounding), and what it keeps for its backward beyond the logits themselves is each token's
+    max and log-sum-exp, where eager keeps fp32 log-probabilities of the logits' size. The planner's
+    `log_probs` term counts each (floating tensors only: the targets are the batch's, held anyway)."""
+    from trainer.loss import IGNORE_INDEX, cross_entropy_loss
+
+    cfg = compose(["model=tiny", "trainer.micro_batch_size=4", "trainer.seq_len=128", "trainer.global_batch_size=4",
+                   "precision=bf16"])
+    vocab = model_config(cfg).vocab_size
+    torch.manual_seed(0)
+    logits = torch.randn(4, 128, vocab).mul(3).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (4, 128))
+    targets[0, :10] = IGNORE_INDEX
+    results = {}
+    for compiled in (False, True):
+        leaf = logits.clone().requires_grad_()
+        kept: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if tensor.is_floating_point() and storage.data_ptr() != leaf.untyped_storage().data_ptr():
+                kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = cross_entropy_loss(leaf, targets, compiled=compiled)
+        loss.backward()
+        assert leaf.grad is not None and leaf.grad.dtype == torch.bfloat16
+        estimate = estimate_activations(inventory(model_config(cfg)),
+                                        layout_from_config(cfg).replace(compiled_loss=compiled), 0, "cpu")
+        results[compiled] = (loss.detach(), leaf.grad, sum(kept.values()), estimate.log_probs)
+    (eager_loss, eager_grad, eager_kept, eager_planned), (loss, grad, kept_bytes, planned) = results.values()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad.float(), eager_grad.float(), rtol=2 ** -7, atol=1e-9)  # one bf16 ulp
+    assert eager_planned == 4 * 128 * vocab * 4 and eager_kept == pytest.approx(eager_planned, rel=1e-4)
+    assert planned == 4 * 128 * 8 and kept_bytes == pytest.approx(planned, rel=1e-3)
+
+
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_autocast_activation_estimate_matches_what_a_forward_saves_for_backward(policy: str) -> None:
     """Under bf16 autocast over fp32 weights (precision=bf16) the forward saves more than its 16-bit

@@ -208,6 +208,19 @@ def _fused_kernel_runs_on(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
+def folds_gradient_scale(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether `optimizer`'s step can scale every gradient it reads inside its own kernel by a factor held
+    on `device`: torch's fused kernels (Adam, AdamW, SGD, Adagrad with `fused=True`) divide each gradient
+    by the optimizer's `grad_scale` tensor, which `torch.amp.GradScaler` sets to unscale. Only over plain
+    tensors on that device: a DTensor step would mix a plain tensor with DTensors in one operator, and a
+    step in host memory (ZeRO-Offload) would read a factor copied from the GPU without waiting for it."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    groups = optimizer.param_groups
+    return all(group.get("fused") for group in groups) and all(
+        type(p) in (torch.Tensor, nn.Parameter) and p.device == device for group in groups for p in group["params"])
+
+
 class _FusedWhenSupported(functools.partial):
     """``optimizer_class(groups, **options)`` with ``fused=True`` when the kernel takes every tensor of
     ``groups`` (the ``fused: null`` default); a ``functools.partial`` so that callers see its options."""

@@ -204,6 +204,7 @@ class DistributedStrategy(Strategy):
         # shard after wrapping (`init=sharded`).
         self.precision.setup(self.device)
         self.precision.convert_model(model, self.gathers_parameters)
+        self.compiled_loss = compile
         full = self.full_init(model)
         if full:  # before the split and TP, so every shard and stage holds the single-process weights
             self.materialize(model)

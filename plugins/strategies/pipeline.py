@@ -112,7 +112,7 @@ class PipelineParallel(DistributedStrategy):
     # ---- step ---------------------------------------------------------------------------------------
     def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Mean (or, under document masking, summed) token loss of one micro-batch on the last stage."""
-        return cross_entropy_loss(logits, targets, reduction)
+        return cross_entropy_loss(logits, targets, reduction, compiled=self.compiled_loss)
 
     def _compute_loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         # looked up at each call, so that replacing `compute_loss` on the instance (benchmarks/pipeline_bubble.py

@@ -38,7 +38,9 @@ only the block input) but autocast's cache holds them until the forward's autoca
 transient of the forward (`cast_cache`). The head keeps its input (e), its weight's cast, and the fp32
 log-probabilities of the loss (`trainer.loss.cross_entropy_loss` upcasts the logits); the training step
 holds the logits themselves until the backward is done (`held_logits`), and the loss's backward makes two
-fp32 tensors of the logits' size (`loss_backward`). How these combine into a peak: trainer/planner/phases.py.
+fp32 tensors of the logits' size (`loss_backward`). Compiled (`trainer.compile=true`), the loss keeps 8
+bytes a token (each row's max and log-sum-exp) and its backward makes one gradient in the logits' dtype.
+How these combine into a peak: trainer/planner/phases.py.
 
 On the CPU, torch's dropout keeps its masks in the activation dtype (not 1-byte bools) and SDPA with
 dropout takes its math path (the scores exist): the estimate follows the device (`device_type`), and
@@ -301,11 +303,13 @@ def mla_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, r: int, *, ca
 
 def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_parallel: bool, *,
                        residual_bytes: int | None = None, fused_norm: bool = False,
-                       cast_weights: float = 0.0) -> list[Saved]:
+                       cast_weights: float = 0.0, compiled_loss: bool = False) -> list[Saved]:
     """What the last stage keeps beyond its blocks: final norm, output head input, autocast's copy of the
     head's weight (`cast_weights` elements, under autocast over wider weights), fp32 log-probabilities
-    (the loss runs on fp32 logits: `trainer.loss.cross_entropy_loss`; its log-softmax keeps its output).
-    The logits themselves are not saved by anything: the training step holds them (`held_logits`)."""
+    (the eager loss runs on fp32 logits: `trainer.loss.cross_entropy_loss`; its log-softmax keeps its
+    output), or with `compiled_loss` (Inductor's, on logits not sharded on the vocabulary) each token's max
+    and log-sum-exp. The logits themselves are not saved by anything: the training step holds them
+    (`held_logits`)."""
     sb, h = s * b, inv.dim
     r = e if residual_bytes is None else residual_bytes
     if inv.family == "gpt":  # LayerNorm keeps its input (and per-token mean and rstd)
@@ -316,6 +320,7 @@ def head_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, loss_paralle
     return norm + [
         Saved("output head input", sb * h, e, FULL if inv.family != "gpt" else SP),
         *copy,
+        Saved("row max and log-sum-exp (fp32)", 2 * sb, 4, FULL) if compiled_loss else
         Saved("log-softmax (fp32)", sb * inv.vocab_size, 4, TP if loss_parallel else FULL),
     ]
 
@@ -424,9 +429,9 @@ class ActivationEstimate:
     notes: list[str] = field(default_factory=list)
     position_tables: float = 0.0  # under context parallelism: RoPE rows of the rank's global positions
     head_in_flight: float = 0.0  # micro-batches whose head activations the last stage holds (0 elsewhere)
-    log_probs: float = 0.0  # one micro-batch's fp32 log-probabilities (in `last_stage`)
+    log_probs: float = 0.0  # what one micro-batch's loss saves (fp32 log-probabilities; in `last_stage`)
     held_logits: float = 0.0  # logits the training step holds until their backward ends (compute dtype)
-    loss_backward: float = 0.0  # the loss's backward: fp32 gradients of the log-probabilities and of the logits
+    loss_backward: float = 0.0  # the loss's backward: its gradients (eager: fp32 w.r.t. log-probabilities and logits)
     cast_cache: float = 0.0  # autocast's cache of weight casts during the forward that nothing saves
     gradient_working_set: float = 0.0  # gradients one block's backward holds at once beside what it saved
     block_cast_bytes: float = 0.0  # autocast's copy of one block's matmul weights (0 without casts)
@@ -510,8 +515,11 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         if inv.tied:  # the output head multiplies with the embedding's weight
             head_specs.append(ParamSpec("output.weight", (inv.vocab_size, inv.dim), 0, True))
         head_cast = matmul_weight_elements(head_specs, layout)[0] if casts else 0.0
+        vocab_sharded = layout.loss_parallel and t > 1
+        fused_loss = layout.compiled_loss and not vocab_sharded
         last = head_in_flight * sum(x.bytes(t, sp) for x in head_saved_tensors(
-            inv, s, b, e, layout.loss_parallel, residual_bytes=r, fused_norm=fused_norm, cast_weights=head_cast))
+            inv, s, b, e, layout.loss_parallel, residual_bytes=r, fused_norm=fused_norm, cast_weights=head_cast,
+            compiled_loss=fused_loss))
         # DeepSeek-V3's multi-token prediction: each depth's module runs outside the checkpointed blocks and
         # computes its own loss in the forward, so it keeps everything its block saves, plus its norms, its
         # projection's input and the fp32 log-probabilities of its head
@@ -522,13 +530,20 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
             last += head_in_flight * (
                 mtp_block * length / s + sum(x.bytes(t, sp) for x in mtp_saved_tensors(
                     inv, length, b, e, r, fused_norm=fused_norm)))
-        tokens_x_vocab = s * b * inv.vocab_size / (t if layout.loss_parallel else 1)
-        log_probs = tokens_x_vocab * 4
-        # the step holds the logits (compute dtype) until its backward is done; the loss reads an fp32 copy
-        # (freed once its log-softmax has run: below the backward's start, which adds two fp32 tensors of
-        # that size, the gradients w.r.t. the log-probabilities and w.r.t. the fp32 logits)
+        tokens_x_vocab = s * b * inv.vocab_size / (t if vocab_sharded else 1)
+        # the step holds the logits (compute dtype) until its backward is done
         held_logits = head_in_flight * tokens_x_vocab * e
-        loss_backward = 2 * tokens_x_vocab * 4
+        if fused_loss:
+            # Inductor's loss keeps each row's max and log-sum-exp (fp32) and its backward writes one
+            # gradient, in the logits' dtype
+            log_probs = s * b * 2 * 4
+            loss_backward = tokens_x_vocab * e
+        else:
+            # the eager loss reads an fp32 copy (freed once its log-softmax has run: below the backward's
+            # start, which adds two fp32 tensors of that size, the gradients w.r.t. the log-probabilities
+            # and w.r.t. the fp32 logits)
+            log_probs = tokens_x_vocab * 4
+            loss_backward = 2 * tokens_x_vocab * 4
     recompute = 0.0
     if checkpointed or policy in ("attention", "selective"):
         recompute = none - (layer_average("full") if policy in ("full", "every_n") else per_layer)

@@ -16,6 +16,8 @@ logic under data, tensor, pipeline and context parallelism, each term being that
                         logits (2 x 4 bytes x tokens x vocabulary: the log-softmax's backward reads the
                         first, writes the second, while its saved output still exists). The loss's own
                         forward (an fp32 copy of the logits beside its log-softmax) stays below this.
+                        Compiled (`trainer.compile`), the loss's backward writes one gradient of the
+                        logits' size in their dtype.
   last_block_backward   the backward of the last block: the head's activations freed, its gradients
                         made, one block's backward transient (`block backward`)
   first_block_backward  the backward of the first block: one block of this micro-batch's activations
@@ -167,7 +169,7 @@ def step_phases(inv: ModelInventory, layout: Layout, coords: RankCoords, acts: A
         "forward": (start, saved - acts.log_probs,
                     {**gathered, **held, "autocast's cache of weight casts": acts.cast_cache}),
         "loss_backward": (start, saved, {**gathered, **held,
-                                         "loss gradients (fp32 log-probabilities, fp32 logits)": acts.loss_backward}),
+                                         "the loss's gradients": acts.loss_backward}),
         "last_block_backward": (in_backward + (grads.end - in_backward) * head_and_block, saved - one_head,
                                 {**gathered, **held, **block}),
         "first_block_backward": (in_backward + (grads.end - in_backward) * (1 - embedding),
