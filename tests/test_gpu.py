@@ -290,10 +290,14 @@ def test_activation_offload_lowers_the_device_peak(tmp_path: Path, deterministic
     saved = kept["peak_memory_bytes_per_rank"][0] - offloaded["peak_memory_bytes_per_rank"][0]
     # the blocks' saved tensors leave the device; the embedding output and the logits stay
     assert saved >= 0.5 * activations, (saved / MIB, activations / MIB)
-    # the same arithmetic: only where the saved tensors wait changed (deterministic kernels: without them two
-    # such runs differed by 1.26e-5 relative at step 3 on an H200, flash attention's atomics)
-    assert column(tmp_path / "offload", "train_loss") == pytest.approx(column(tmp_path / "none", "train_loss"),
-                                                                        rel=1e-5)
+    # the same arithmetic: only where the saved tensors wait changed. The first step's loss, before any
+    # backward, is bitwise the same; the later ones carry the backward's run-to-run rounding: measured on an
+    # H200 at step 3, 1.26e-5 relative without deterministic kernels (flash attention's atomics), 2.8e-5 with
+    # `warn_only` deterministic kernels after other tests had set up cuBLAS in the same process (1.1e-4:
+    # a 4x margin)
+    offloaded_losses, kept_losses = column(tmp_path / "offload", "train_loss"), column(tmp_path / "none", "train_loss")
+    assert offloaded_losses[0] == kept_losses[0]
+    assert offloaded_losses == pytest.approx(kept_losses, rel=1.1e-4)
 
 
 # ---- optimizer offload (ZeRO-Offload) -------------------------------------------------------------------
@@ -308,7 +312,8 @@ def cli_run(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """`python -m trainer` in a process of its own (its device peak is its alone); returns summary.json."""
     result = subprocess.run([sys.executable, "-m", "trainer", *overrides, "trainer.save_final=false",
                              f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -488,7 +493,8 @@ def test_tensor_parallel_dropout_on_two_gpus(tmp_path: Path) -> None:
                "tp=2", "trainer.devices=2", "+callbacks.replicated._target_=tests.helpers.RecordReplicated",
                f"+callbacks.replicated.directory={directory}", f"hydra.run.dir={tmp_path / 'run'}"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = column(tmp_path / "run", "train_loss")
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3

@@ -246,7 +246,7 @@ def test_compiled_loss_matches_eager_and_keeps_what_the_planner_counts() -> None
         loss.backward()
         assert leaf.grad is not None and leaf.grad.dtype == torch.bfloat16
         estimate = estimate_activations(inventory(model_config(cfg)),
-                                        layout_from_config(cfg).replace(compiled_loss=compiled), 0, "cpu")
+                                        layout_from_config(cfg).replace(compiled=compiled), 0, "cpu")
         results[compiled] = (loss.detach(), leaf.grad, sum(kept.values()), estimate.log_probs)
     (eager_loss, eager_grad, eager_kept, eager_planned), (loss, grad, kept_bytes, planned) = results.values()
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)

@@ -95,10 +95,12 @@ class Layout:
     # The optimizer config asks for torch's fused kernel, or leaves it to the default that takes it where
     # it runs (`fused: null` and no `foreach`: trainer.optim.optimizer_factory_from_config).
     optimizer_fused_requested: bool = False
-    # `trainer.compile`: the loss runs through Inductor (trainer.loss.cross_entropy_loss), which keeps no
-    # fp32 log-probabilities and writes the logits' gradient once, in the logits' dtype (not when the logits
-    # are sharded on the vocabulary: loss parallelism runs eager).
-    compiled_loss: bool = False
+    # `trainer.compile`: each block is an Inductor graph, whose weight casts are its own intermediates (no
+    # autocast cache of them through the forward), and the loss runs through Inductor too
+    # (trainer.loss.cross_entropy_loss), keeping no fp32 log-probabilities and writing the logits' gradient
+    # once, in the logits' dtype (not when the logits are sharded on the vocabulary: loss parallelism runs
+    # eager).
+    compiled: bool = False
 
     @property
     def dp(self) -> int:
@@ -219,7 +221,7 @@ def layout_from_config(cfg: DictConfig, *, precision: Optional[Precision] = None
         unsharded_param_bytes=DTYPE_BYTES[unsharded], reduce_bytes=DTYPE_BYTES[reduce],
         master_bytes=4 if master else 0,
         optimizer_states=states, optimizer_state_bytes=4 if master else DTYPE_BYTES[param_dtype],
-        optimizer_fused_requested=_fused_requested(cfg.optimizer), compiled_loss=bool(t.compile),
+        optimizer_fused_requested=_fused_requested(cfg.optimizer), compiled=bool(t.compile),
     )
 
 
