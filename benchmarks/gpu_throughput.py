@@ -115,8 +115,9 @@ def planned(overrides: list[str]) -> Any:
 
 
 def planned_compile(modes: list[str]) -> list[str]:
-    """The compile choice the planner is asked about: compiled only when every mode is (a compiled loss
-    keeps less than eager's, so a layer count that fits eager fits both)."""
+    """The compile choice the planner is asked about: compiled only when every mode is (a compiled run holds
+    less than eager, no fp32 loss tensors nor autocast's cache of weight casts, so a layer count that fits
+    eager fits both)."""
     return [f"trainer.compile={'true' if modes and all(m == 'compile' for m in modes) else 'false'}"]
 
 

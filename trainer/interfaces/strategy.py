@@ -359,8 +359,9 @@ class Strategy:
         When the optimizer's kernel can scale the gradients it reads (`trainer.optim.folds_gradient_scale`:
         torch's fused Adam/AdamW over plain tensors), the clip goes to its next step as `grad_scale`, the
         kernel dividing each gradient by 1 / that factor, instead of a pass that reads and writes every
-        gradient before the step: memory-bound on a GPU, 12 bytes a parameter (fp32 gradients), ~2% of a
-        step of Llama 3 8B's width on one H200. `zero_grad` clears it; a skipped step leaves nothing."""
+        gradient before the step (memory-bound on a GPU: 8 bytes a parameter with fp32 gradients; the
+        kernel writes the scaled gradient back, 4. Measured on an H200, 29 layers of Llama 3 8B's width:
+        the 16 ms pass gone, AdamW 10 ms longer). `zero_grad` clears it; a skipped step leaves nothing."""
         params = [p for part in model_parts for p in part.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
