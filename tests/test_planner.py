@@ -217,10 +217,11 @@ def test_moe_activation_estimate_matches_what_a_forward_saves_for_backward(model
 @pytest.mark.slow
 def test_compiled_loss_matches_eager_and_keeps_what_the_planner_counts() -> None:
     """`trainer.compile=true` runs the loss through Inductor (trainer.loss.cross_entropy_loss): on bf16
-    logits with ignored targets it gives eager's loss and gradient (measured: equal loss, gradients within
-    one bf16 rounding), and what it keeps for its backward beyond the logits themselves is each token's
+    logits with ignored targets it gives eager's loss and gradient (measured: the loss 1e-7 relative apart,
+    gradients within one bf16 rounding, at most 0.5%), and what it keeps for its backward beyond the logits themselves is each token's
     max and log-sum-exp, where eager keeps fp32 log-probabilities of the logits' size. The planner's
-    `log_probs` term counts each (floating tensors only: the targets are the batch's, held anyway)."""
+    `log_probs` term counts each, byte for byte (floating tensors with a dimension only: the targets are the
+    batch's, held anyway, and the 0-d count of targets is no activation)."""
     from trainer.loss import IGNORE_INDEX, cross_entropy_loss
 
     cfg = compose(["model=tiny", "trainer.micro_batch_size=4", "trainer.seq_len=128", "trainer.global_batch_size=4",
@@ -237,7 +238,7 @@ def test_compiled_loss_matches_eager_and_keeps_what_the_planner_counts() -> None
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            if tensor.is_floating_point() and storage.data_ptr() != leaf.untyped_storage().data_ptr():
+            if tensor.is_floating_point() and tensor.ndim and storage.data_ptr() != leaf.untyped_storage().data_ptr():
                 kept[storage.data_ptr()] = storage.nbytes()
             return tensor
 
@@ -251,8 +252,8 @@ def test_compiled_loss_matches_eager_and_keeps_what_the_planner_counts() -> None
     (eager_loss, eager_grad, eager_kept, eager_planned), (loss, grad, kept_bytes, planned) = results.values()
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(grad.float(), eager_grad.float(), rtol=2 ** -7, atol=1e-9)  # one bf16 ulp
-    assert eager_planned == 4 * 128 * vocab * 4 and eager_kept == pytest.approx(eager_planned, rel=1e-4)
-    assert planned == 4 * 128 * 8 and kept_bytes == pytest.approx(planned, rel=1e-3)
+    assert eager_kept == eager_planned == 4 * 128 * vocab * 4
+    assert kept_bytes == planned == 4 * 128 * 8
 
 
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
