@@ -3,7 +3,7 @@
 Trains transformers' `LlamaForCausalLM` with a bare PyTorch loop on one GPU: the model is conf/model/llama3_8b.yaml
 at full width (dim 4096, 32 heads, 8 KV heads, SwiGLU 14336, vocabulary 128,256, rope theta 500,000, untied
 embeddings) with `--layers N` blocks, built from a config (no download: the HF config comes from the trainer's own
-`trainer.checkpoint.hf.hf_config`), `attn_implementation="sdpa"`, fp32 parameters under
+`trainer.models.llama.hf_adapter.LlamaHFAdapter.hf_config`), `attn_implementation="sdpa"`, fp32 parameters under
 `torch.autocast("cuda", torch.bfloat16)` (what `precision=bf16` does), `torch.optim.AdamW(fused=True)` with
 conf/optimizer/adamw.yaml's lr, betas, eps and weight decay on the trainer's decay/no-decay groups
 (`trainer.optim.param_groups`), whole-model `torch.compile` unless `--no-compile`, HF's
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.gpu_throughput import REPO, SMOKE_MODEL, hardware_for_device  # noqa: E402
 
-from trainer.checkpoint.hf import hf_config  # noqa: E402
 from trainer.config import compose  # noqa: E402
 from trainer.hardware import peak_flops  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
+from trainer.models.llama.hf_adapter import LlamaHFAdapter  # noqa: E402
 from trainer.optim import param_groups  # noqa: E402
 
 
@@ -98,7 +98,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     meta = build_meta_model(ours)  # the trainer's model on meta: its FLOP count and parameter count
     flops_per_token, trainer_params = meta.flops_per_token(args.seq_len), meta.num_params()
     del meta
-    hf_kwargs = {k: v for k, v in hf_config(ours).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    hf_kwargs = {k: v for k, v in LlamaHFAdapter().hf_config(ours).items()
+                 if k not in ("architectures", "model_type", "torch_dtype")}
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(**hf_kwargs, attn_implementation="sdpa", use_cache=False)
     model = transformers.LlamaForCausalLM(hf_cfg).to(device=device, dtype=torch.float32)

@@ -401,7 +401,10 @@ def test_hugging_face_export_of_a_gpu_run(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from trainer.checkpoint import save_checkpoint
-    from trainer.checkpoint.hf import export_trainer, main, to_hf_name
+    from trainer.checkpoint.hf import export_trainer, main
+    from trainer.models.llama.hf_adapter import LlamaHFAdapter
+
+    to_hf_name = LlamaHFAdapter().hf_name
 
     trainer = build_trainer(compose(LOOP + HF_MODEL + ["trainer.max_steps=4"]), tmp_path / "run")
     trainer.fit()

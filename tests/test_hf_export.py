@@ -12,13 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from trainer.checkpoint import save_checkpoint
-from trainer.checkpoint.hf import export_state_dict, export_trainer, from_hf_name, main, read_hf_config, to_hf_name
+from trainer.checkpoint.hf import export_state_dict, export_trainer, main, read_hf_config
 from trainer.config import compose
 from trainer.models import build_model
 from trainer.models.llama import LlamaConfig
+from trainer.models.llama.hf_adapter import LlamaHFAdapter
 from trainer.run import build_trainer
 
 transformers = pytest.importorskip("transformers")
+
+to_hf_name = LlamaHFAdapter().hf_name
 
 # Grouped-query attention (4 query heads, 2 key/value heads), 2 layers, byte vocabulary.
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
@@ -64,7 +67,7 @@ def test_names_map_both_ways() -> None:
     names = build_model(tiny()).state_dict().keys()
     hf = {to_hf_name(n) for n in names}
     assert "model.layers.1.self_attn.k_proj.weight" in hf and "lm_head.weight" in hf
-    assert {from_hf_name(n) for n in hf} == set(names)
+    assert {LlamaHFAdapter().our_name(n) for n in hf} == {(n, None) for n in names}
 
 
 def test_a_run_starts_from_hf_weights_and_exports_them_back(tmp_path: Path) -> None:
@@ -100,3 +103,30 @@ def test_a_run_starts_from_hf_weights_and_exports_them_back(tmp_path: Path) -> N
     assert exported.keys() == converted.keys() == {to_hf_name(k) for k in trained}
     for key, value in trained.items():
         assert torch.equal(exported[to_hf_name(key)], value) and torch.equal(converted[to_hf_name(key)], value)
+
+
+def test_the_converter_finds_adapters_through_the_families() -> None:
+    """By config instance, by a manifest's config class name and by a config.json model_type; GPT declares
+    none, and the error says so."""
+    from trainer.checkpoint.hf import adapter_for
+    from trainer.checkpoint.manifest import CheckpointError
+    from trainer.models import FAMILIES, GPTConfig
+
+    llama = FAMILIES["llama"].hf_adapter
+    assert isinstance(llama, LlamaHFAdapter)
+    assert adapter_for(tiny()) is adapter_for(class_name="LlamaConfig") is adapter_for(model_type="mixtral") is llama
+    assert adapter_for(model_type="qwen3_moe") is FAMILIES["qwen3"].hf_adapter
+    with pytest.raises(CheckpointError, match="the gpt family declares no Hugging Face adapter"):
+        adapter_for(GPTConfig())
+    with pytest.raises(CheckpointError, match="model_type='bert' has no Hugging Face counterpart"):
+        adapter_for(model_type="bert")
+
+
+def test_mixtral_names_map_both_ways() -> None:
+    adapter = LlamaHFAdapter()
+    assert adapter.hf_name("layers.0.feed_forward.router.weight") == "model.layers.0.block_sparse_moe.gate.weight"
+    assert adapter.stacked_hf_names("layers.1.feed_forward.experts.w2", 2) == [
+        "model.layers.1.block_sparse_moe.experts.0.w2.weight", "model.layers.1.block_sparse_moe.experts.1.w2.weight"]
+    assert adapter.our_name("model.layers.1.block_sparse_moe.experts.1.w2.weight") == ("layers.1.feed_forward.experts.w2", 1)
+    assert adapter.our_name("model.layers.0.block_sparse_moe.gate.weight") == ("layers.0.feed_forward.router.weight", None)
+    assert adapter.fused_hf_tensor("layers.1.feed_forward.experts.w2") is None

@@ -391,12 +391,19 @@ EXACT_LAYOUTS = {
     "zero2": ["strategy=zero2"],
     "fsdp shard_grad_op": ["strategy=fsdp", "strategy.sharding=shard_grad_op"],
     "zero1 offload_optimizer": ["strategy=zero1", "strategy.offload_optimizer=true"],
+    # the families declared since: MLA split by heads with its latents whole, Qwen3's q/k norms, the MTP module
+    "deepseek_v3 3d fsdp tp2": ["model=deepseek_v3_tiny", "strategy=3d", "tp=2", "strategy.data_parallel=fsdp"],
+    "deepseek_v3 3d ddp tp4": ["model=deepseek_v3_tiny", "model.n_heads=8", "strategy=3d", "tp=4",
+                               "strategy.data_parallel=ddp"],
+    "qwen3 3d zero1 tp2 pp2": ["model=qwen3_tiny", "strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1"],
+    "qwen3_moe 3d fsdp tp2 ep2": ["model=qwen3_moe_tiny", "strategy=3d", "tp=2", "ep=2",
+                                  "strategy.data_parallel=fsdp"],
 }
 
 
 @pytest.mark.parametrize("name", list(EXACT_LAYOUTS))
 def test_exact_mode_agrees_with_the_analytic_counts_on_8_ranks(name: str) -> None:
-    """The tiny Llama as ranks 0 and 7 of 8 (meta device, fake process group): the analytic model's bytes."""
+    """The tiny models as ranks 0 and 7 of 8 (meta device, fake process group): the analytic model's bytes."""
     cfg = compose(["trainer.devices=8", "trainer.global_batch_size=16", "trainer.micro_batch_size=1", "mode=plan"]
                   + EXACT_LAYOUTS[name])
     validate(cfg)

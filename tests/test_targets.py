@@ -117,7 +117,7 @@ def test_no_file_spells_a_target_through_a_module() -> None:
 @pytest.mark.parametrize("target, expected", [
     ("trainer.plugins.strategies.zero2.ZeRO2", "spell it trainer.plugins.strategies.ZeRO2"),
     ("trainer.plugins.callbacks.checkpoint.CheckpointManager", "spell it trainer.plugins.callbacks.CheckpointManager"),
-    ("trainer.models.llama.Llama", "spell it trainer.models.Llama"),
+    ("trainer.models.llama.model.Llama", "spell it trainer.models.llama.Llama"),
     # a class its package does not export: the advice says to export it
     ("trainer.plugins.strategies.ddp.ShardedOptimizerStates", "and export ShardedOptimizerStates from"),
     ("trainer.plugins.strategies.ZeRO4", "does not resolve"),

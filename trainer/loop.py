@@ -24,7 +24,7 @@ from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
 from trainer.memory import describe_state_bytes, state_bytes
-from trainer.models.moe import collect_moe_stats, update_router_biases
+from trainer.models import family_of
 from trainer.throughput import ThroughputMeter
 
 log = logging.getLogger("trainer")
@@ -63,6 +63,7 @@ class Trainer:
             # the loop checkpoints its position and the stabilizer skips batches: a plain iterator cannot
             raise TypeError(f"train_loader must be a trainer.data.TrainLoader, got {type(train_loader).__name__}")
         self.train_loader = train_loader
+        self.model_family = family_of(model_parts[0])  # its per-step hooks (router statistics, bias updates)
         self.val_set = val_set
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -195,9 +196,10 @@ class Trainer:
         # fp16: unscale, check for inf/nan on every rank and agree whether this step is skipped.
         self.strategy.unscale_gradients(self.optimizer, self.model_parts)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
-        # Mixture-of-Experts layers: the step's aux loss and expert loads, averaged over the data-parallel
-        # ranks (one small all-reduce; nothing for a dense model), before the callbacks see the step.
-        moe_metrics, moe_loads = collect_moe_stats(self.model_parts, self.strategy.reduce_mean)
+        # What the model family accumulated over the step (an MoE's aux loss and expert loads), averaged
+        # over the data-parallel ranks (one small all-reduce; nothing for a dense model), before the
+        # callbacks see the step.
+        moe_metrics, family_state = self.model_family.step_statistics(self.model_parts, self.strategy.reduce_mean)
         # A callback (the loss-spike stabilizer) may veto this update by setting skip_step; it must
         # decide the same on every rank.
         self.step_outputs = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
@@ -211,7 +213,7 @@ class Trainer:
             # stays where it is and the state report waits for an update that created the states.
             self.scheduler.step()
             self.optimizer_steps += 1
-            update_router_biases(self.model_parts, moe_loads)  # auxiliary-loss-free balancing, when on
+            self.model_family.after_optimizer_step(self.model_parts, family_state)  # e.g. router bias updates
             if self.state_bytes is None:
                 stand_ins = [stand_in for _, stand_in in self.strategy.optimizer_tensor_pairs()]
                 self.state_bytes = state_bytes(self.model_parts, self.optimizer, stand_ins)

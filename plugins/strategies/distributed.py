@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.strategy import MicroBatch, Strategy, compile_blocks
 from trainer.models.context_parallel import ContextParallel, enable_context_parallel
-from trainer.models.moe import ExpertParallel, MoE, moe_layers
+from trainer.models import family_of
+from trainer.models.moe import ExpertParallel
 from trainer.parallel_dims import ParallelDims
 
 log = logging.getLogger("trainer")
@@ -241,9 +242,7 @@ class DistributedStrategy(Strategy):
         if mesh is None:
             return
         group = ExpertParallel(mesh.get_group(), mesh.get_local_rank(), mesh.size())
-        for module in model.modules():
-            if not isinstance(module, MoE):
-                continue
+        for _, module in family_of(model).expert_layers([model]):
             module.expert_parallel = group
             experts = module.experts
             for name, param in list(experts.named_parameters(recurse=False)):
@@ -254,7 +253,7 @@ class DistributedStrategy(Strategy):
 
     def expert_parameters(self, model_parts: Sequence[nn.Module]) -> list[nn.Parameter]:
         """The routed experts' weights (split over the ep ranks) of the model parts."""
-        return [p for _, layer in moe_layers(model_parts) for p in layer.experts.parameters()]
+        return [p for _, layer in family_of(model_parts[0]).expert_layers(model_parts) for p in layer.experts.parameters()]
 
     def reduce_expert_gradients(self, model_parts: Sequence[nn.Module]) -> None:
         """Expert gradients under a replicating wrapper (DDP leaves them alone): each rank's already holds
@@ -300,8 +299,8 @@ class DistributedStrategy(Strategy):
         for module in model.modules():
             if hasattr(module, "rng_stream"):
                 module.rng_stream += offset
-            if isinstance(module, MoE):  # its balancing statistics span the whole sequences
-                module.sequence_group = self.context_parallel.group
+        for _, layer in family_of(model).expert_layers([model]):  # its balancing statistics span whole sequences
+            layer.sequence_group = self.context_parallel.group
 
     def local_batches(self, microbatches: Sequence[MicroBatch]) -> Sequence[MicroBatch]:
         # document ids from the whole sequence, before context parallelism keeps this rank's tokens

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainer.interfaces.strategy import MicroBatch
-from trainer.models.moe import moe_layers
+from trainer.models import family_of
 from trainer.plugins.strategies.distributed import DistributedStrategy
 
 log = logging.getLogger("trainer")
@@ -274,7 +274,7 @@ def shard_experts(model: nn.Module, edp_mesh: DeviceMesh | None, *, mp_policy: M
     over edp 8), and Shard(0) would leave all of them on one rank (torchtitan does the same)."""
     if edp_mesh is None:
         return
-    for _, layer in moe_layers([model]):
+    for _, layer in family_of(model).expert_layers([model]):
         fully_shard(layer.experts, mesh=edp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
                     reshard_after_forward=reshard_after_forward, shard_placement_fn=lambda param: Shard(1))
 
@@ -285,7 +285,7 @@ def wrap_fsdp(model: nn.Module, mesh: DeviceMesh | None, *, mp_policy: MixedPrec
     """FSDP2 over `mesh` (1-D: shard; 2-D: replicate x shard): one unit per transformer block, then the
     root (embedding, final norm, head). Parameters that are already tensor-parallel DTensors become 2-D."""
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    blocks = list(model.layers.values())  # type: ignore[union-attr]
+    blocks = list(family_of(model).blocks(model).values())
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right away by the backward: keep them (unless asked).
         reshard = reshard_after_forward and (reshard_last_block or index < len(blocks) - 1)

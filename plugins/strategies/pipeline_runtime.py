@@ -31,6 +31,7 @@ import torch.nn as nn
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import MicroBatch
 from trainer.loss import cross_entropy_loss
+from trainer.models import family_of
 from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.parallel_dims import ParallelDims
 from trainer.plugins.strategies.pipeline_schedule import SCHEDULES, PipelineOptions, PrecisionStage
@@ -120,7 +121,7 @@ class Pipeline:
     # ---- model --------------------------------------------------------------------------------------
     def split(self, model: nn.Module) -> list[nn.Module]:
         """This rank's stages of `model`, in increasing stage order (the order the schedule expects)."""
-        self.stage_ranges = self.options.stage_ranges(len(model.layers), self.num_stages)  # type: ignore[arg-type]
+        self.stage_ranges = self.options.stage_ranges(len(family_of(model).blocks(model)), self.num_stages)
         self.stage_indices = stage_indices_of_rank(self.pp_rank, self.pp_size, self.options.virtual_stages)
         if self.log_layout:
             layout = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self.stage_ranges))

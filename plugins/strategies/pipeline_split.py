@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from trainer.models import family_of
+
 
 def stage_layer_ranges(num_layers: int, num_stages: int, *, layers_per_stage: Optional[Sequence[int]] = None,
                        embedding_weight: float = 1.0, head_weight: float = 1.0) -> list[range]:
@@ -105,12 +107,12 @@ def split_model(model: nn.Module, ranges: Sequence[range], stage_indices: Sequen
     a stage that also holds the embedding); across stages they become separate copies.
     """
     num_stages = len(ranges)
-    layers: nn.ModuleDict = model.layers  # type: ignore[assignment]
+    family = family_of(model)
+    layers = family.blocks(model)
     covered = sorted(i for r in ranges for i in r)
     if covered != list(range(len(layers))):
         raise ValueError(f"the stage ranges cover layers {covered}, not exactly the model's {len(layers)} layers")
-    first_only = tuple(getattr(model, "first_stage_modules", ("tok_embeddings",)))
-    last_only = tuple(getattr(model, "last_stage_modules", ("norm", "output")))
+    first_only, last_only = family.stage_only_modules(model)
     stages = []
     for stage in stage_indices:
         if not 0 <= stage < num_stages:
@@ -123,8 +125,8 @@ def split_model(model: nn.Module, ranges: Sequence[range], stage_indices: Sequen
         # in its place without ever copying that module's weights.
         memo: dict[int, Any] = {id(m): None for m in dropped if m is not None}
         part = copy.deepcopy(model, memo)
-        for key in [k for k, m in part.layers.items() if m is None]:
-            del part.layers[key]
+        for key in [k for k, m in family.blocks(part).items() if m is None]:
+            family.set_block(part, key, None)
         for name in first_only + last_only:
             if (name in first_only and stage != 0) or (name in last_only and stage != num_stages - 1):
                 setattr(part, name, None)

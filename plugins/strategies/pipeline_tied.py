@@ -16,6 +16,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from trainer.models import family_of
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (shares storage, so in-place ops write through), else the tensor."""
@@ -36,8 +38,8 @@ class TiedWeights:
         """A process group per pipeline line joining the first- and last-stage ranks, when the (unsplit)
         model ties its output head to its input embedding (new_group is collective: every rank creates
         every pair)."""
-        embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-        if embedding is None or head is None or head.weight is not embedding.weight:
+        embedding, head = family_of(model).tied_weights(model)
+        if embedding is None or head is not embedding:
             return
         names = list(mesh.mesh_dim_names or ())
         lines = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp_size)
@@ -54,10 +56,11 @@ class TiedWeights:
         for part in parts:
             module = unwrap(part)
             stage = getattr(module, "pp_stage_index", None)
+            embedding, head = family_of(module).tied_weights(module)
             if stage == 0:
-                self.param = module.tok_embeddings.weight  # type: ignore[union-attr]
+                self.param = embedding  # type: ignore[assignment]
             elif stage == num_stages - 1:
-                self.param, self._mirror = module.output.weight, True  # type: ignore[union-attr]
+                self.param, self._mirror = head, True  # type: ignore[assignment]
 
     def broadcast_from_first_stage(self) -> None:
         """Identical copies to start with (they differ only after a sharded init, which draws the head

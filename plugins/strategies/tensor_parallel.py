@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from trainer.models import family_of
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.plugins.strategies.tensor_parallel_plan import ReplicateParallel, apply_tensor_parallel
@@ -91,17 +92,16 @@ def check_tensor_parallel_sizes(model_cfg: Any, tp: int, seq_len: int, sequence_
 
 
 def _divisibility_problems(model_cfg: Any, tp: int) -> list[str]:
-    sizes = [("model.n_heads", model_cfg.n_heads, "query heads")]
-    if hasattr(model_cfg, "num_kv_heads"):  # GPT has as many key/value heads as query heads
-        sizes.append(("model.n_kv_heads", model_cfg.num_kv_heads, "key/value heads"))
-    sizes.append(("model.ffn_hidden_dim", model_cfg.hidden_dim, "MLP hidden width"))
-    problems = [f"{key}={value} ({what}) is not divisible by tp={tp}" for key, value, what in sizes if value % tp]
-    if model_cfg.vocab_size % tp:
-        # Not padded silently (it changes the model and its checkpoints); Megatron-LM pads to 128 x tp.
-        multiple = 128 * tp
-        padded = -(-model_cfg.vocab_size // multiple) * multiple
-        problems.append(f"model.vocab_size={model_cfg.vocab_size} (vocabulary rows) is not divisible by tp={tp} "
-                        f"(pad it: model.vocab_size={padded}, a multiple of 128 x tp)")
+    problems = []
+    for key, value, what in family_of(model_cfg).tensor_parallel_sizes(model_cfg):
+        if value % tp == 0:
+            continue
+        problem = f"{key}={value} ({what}) is not divisible by tp={tp}"
+        if key == "model.vocab_size":
+            # Not padded silently (it changes the model and its checkpoints); Megatron-LM pads to 128 x tp.
+            multiple = 128 * tp
+            problem += f" (pad it: model.vocab_size={-(-value // multiple) * multiple}, a multiple of 128 x tp)"
+        problems.append(problem)
     return problems
 
 

@@ -1,6 +1,8 @@
 """Tensor parallelism (Megatron-LM style) on DTensor, with sequence parallelism and a vocab-parallel loss.
 
-Every transformer block is split over the `tp` ranks of the mesh (Shoeybi et al. 2019, "Megatron-LM"):
+Every transformer block is split over the `tp` ranks of the mesh (Shoeybi et al. 2019, "Megatron-LM"). The
+model's family declares which submodule has which role (`ModelFamily.block_split`, a `BlockSplit`); this
+file maps the roles to DTensor styles and never names a model's attributes:
 
 - attention by heads: the query/key/value projections column-parallel, the output projection wo
   row-parallel. Llama's separate wq/wk/wv give each rank n_heads/tp query heads and n_kv_heads/tp
@@ -19,6 +21,9 @@ Every transformer block is split over the `tp` ranks of the mesh (Shoeybi et al.
   on the vocabulary and the cross entropy runs on the shards (`trainer.loss.cross_entropy_loss`), which
   never materializes the full [batch, seq, vocab] logits on one rank. GPT's learned position table is
   replicated (small: max_seq_len x dim) and its lookup sliced to the residual layout.
+- what every head reads is computed whole on each rank (`BlockSplit.replicated`: DeepSeek-V3's low-rank
+  latents), and per-head norms (`BlockSplit.head_norms`: Qwen3's q/k RMSNorm) run on each rank's heads
+  with their shared gain's gradient summed over the ranks;
 - dropout of what is split across ranks (attention probabilities of each rank's heads; sequence shards)
   draws from a per-rank random stream (`trainer.models.common.rng_stream`, Megatron's model-parallel RNG
   tracker); dropout of replicated activations stays on the shared stream, identical on every rank.
@@ -51,7 +56,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.models.common import StreamDropout
-from trainer.models.moe import MoE
+from trainer.interfaces.model_family import BlockSplit
+from trainer.models import family_of
 
 
 class ReplicateParallel(ParallelStyle):
@@ -99,71 +105,52 @@ class ReplicateParallel(ParallelStyle):
                                  self._to_output_layout)
 
 
-# Submodule names of the blocks of each family, by parallel style.
-COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "attention.wqkv", "feed_forward.w1",
-                   "feed_forward.w3")
-ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
-
-
-def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The parallel style of each submodule of one transformer block (Llama or GPT)."""
+def _block_plan(split: BlockSplit, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The parallel style of each submodule of one transformer block, from the roles its family declares."""
     # With sequence parallelism the residual stream is a DTensor sharded on the sequence (dim 1); it is
     # kept as a DTensor (use_local_output=False) so that its shape stays global: the Llama reads the
     # sequence length from it to slice the RoPE table.
     residual = Shard(1) if sequence_parallel else Replicate()
-    # Llama: (x, rope, doc_ids); GPT: (x, doc_ids) (doc_ids: None without document masking)
-    attention_inputs = (residual, None, None) if hasattr(block.attention, "wq") else (residual, None)
-    feed_forward: ParallelStyle = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
-    if isinstance(block.feed_forward, MoE):
-        # A Mixture of Experts runs whole on every tp rank (its weights replicated, `_replicate_moe`) on the
+    plan: dict[str, ParallelStyle] = {}
+    for name, num_args in split.sublayers.items():
+        # all-gather of the sequence-sharded normed input before the column-parallel projections; the
+        # other arguments (RoPE table, document ids) pass untouched
+        inputs = (residual,) + (None,) * (num_args - 1)
+        plan[name] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=(Replicate(),) + inputs[1:])
+    for name in split.replicated_sublayers:
+        # A Mixture of Experts runs whole on every tp rank (its weights replicated, `_replicate_whole`) on the
         # all-gathered sequence, as plain tensors; its output goes back to the residual layout (a local
         # slice under sequence parallelism, whose backward all-gathers the output gradient).
-        feed_forward = PrepareModuleInputOutput(
+        plan[name] = PrepareModuleInputOutput(
             input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(residual,), use_local_output=not sequence_parallel)
-    plan: dict[str, ParallelStyle] = {
-        # all-gather of the sequence-sharded normed input before the column-parallel projections
-        "attention": PrepareModuleInput(input_layouts=attention_inputs,
-                                        desired_input_layouts=(Replicate(),) + attention_inputs[1:]),
-        "feed_forward": feed_forward,
-    }
-    present = {name for name, _ in block.named_modules()}
     # heads split (and the MLP's hidden width): each rank computes its columns
-    plan.update({name: ColwiseParallel() for name in COLUMN_PARALLEL if name in present})
+    plan.update({name: ColwiseParallel() for name in split.column})
     # partial sums over heads / hidden units: reduce-scatter to the sequence shards (SP) or all-reduce
     plan.update({name: RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
-                 for name in ROW_PARALLEL if name in present})
+                 for name in split.row})
+    # latents every head reads (low-rank down-projections and their norms): whole on every rank
+    plan.update({name: ReplicateParallel() for name in split.replicated})
+    # per-head norms see this rank's heads (dim 2 of [B, S, heads, head_dim]): as a sequence-parallel norm
+    # over the head dimension, the shared gain's gradient is summed over the tp ranks
+    plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in split.head_norms})
     norm_style: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    plan["attention_norm"] = norm_style
-    plan["ffn_norm"] = norm_style
+    plan.update({name: norm_style for name in split.residual_norms})
     return plan
 
 
-def _replicate_moe(block: nn.Module, mesh: DeviceMesh) -> None:
-    """Every weight of a block's MoE (router, experts, shared experts) becomes a Replicate DTensor on the tp
-    mesh: each rank computes the whole layer on the same tokens, so their gradients agree without a
-    reduction, and every parameter is a DTensor (gradient clipping refuses a mix). The layer multiplies
-    with the local values."""
-    moe = block.feed_forward
-    if not isinstance(moe, MoE):
-        return
-    for module in moe.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                continue
-            replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
-            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-
-
-def _check_splittable(model: nn.Module) -> None:
-    for name, block in model.layers.items():  # type: ignore[union-attr]
-        attention = getattr(block, "attention", None)
-        projections = [p for p in ("wq", "wk", "wv", "wqkv", "wo") if hasattr(attention, p)]
-        if projections not in (["wq", "wk", "wv", "wo"], ["wqkv", "wo"]):
-            raise TypeError(
-                f"tensor parallelism needs wq/wk/wv/wo (Llama) or a head-major wqkv + wo (GPT) projections; "
-                f"layer {name} of {type(model).__name__} has {type(attention).__name__}"
-            )
+def _replicate_whole(block: nn.Module, split: BlockSplit, mesh: DeviceMesh) -> None:
+    """Every weight of a block's whole-computed sub-layers (an MoE's router, experts, shared experts)
+    becomes a Replicate DTensor on the tp mesh: each rank computes the whole layer on the same tokens, so
+    their gradients agree without a reduction, and every parameter is a DTensor (gradient clipping refuses a
+    mix). The layer multiplies with the local values."""
+    for name in split.replicated_sublayers:
+        for module in block.get_submodule(name).modules():
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):
+                    continue
+                replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+                module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
 def _give_split_dropout_own_streams(model: nn.Module, tp_rank: int, sequence_parallel: bool) -> None:
@@ -176,7 +163,7 @@ def _give_split_dropout_own_streams(model: nn.Module, tp_rank: int, sequence_par
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
                           loss_parallel: bool = True) -> None:
-    """Shard `model` (a Llama or one of its pipeline stages) in place over the 1-D mesh `tp_mesh`.
+    """Shard `model` (or one of its pipeline stages) in place over the 1-D mesh `tp_mesh`.
 
     Works on a materialized model (weights already identical on every rank: each rank keeps its shard)
     and on a meta model (the DTensor parameters are materialized and initialized afterwards with
@@ -184,7 +171,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     (Shard(-1)); `trainer.loss.cross_entropy_loss` computes the loss on the shards. Otherwise they are
     gathered into a plain tensor.
 
-    Works for the Llama and GPT families. Pipeline stages (modules set to None) are supported. A stage's hidden-state input and output are
+    Works for every family that declares its blocks' split. Pipeline stages (modules set to None) are
+    supported. A stage's hidden-state input and output are
     plain full tensors [B, S, dim], identical on the tp ranks, whatever `sequence_parallel` is, so the
     pipeline sends the same shapes with and without tensor parallelism.
     """
@@ -193,49 +181,59 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         # activations here come from our own per-rank streams (`_give_split_dropout_own_streams`) and the
         # sharded init draws its own seeds (`materialize_tensor_parallel`), so the caution does not apply.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    _check_splittable(model)
+    family = family_of(model)
+    # the family's declaration of each block; ValueError before anything is split if one cannot be
+    splits = [(block, family.block_split(block)) for block in family.tensor_parallel_blocks(model)]
     residual = Shard(1) if sequence_parallel else Replicate()
-    tied = (model.tok_embeddings is not None and model.output is not None
-            and model.output.weight is model.tok_embeddings.weight)
+    ends = family.stage_modules(model)
+    embedding, head = family.tied_weights(model)
+    tied = embedding is not None and head is embedding
 
     plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
+    if ends.embedding is not None:
         # vocab-parallel lookup: rows Shard(0), out-of-range ids masked, partial sums reduced to the residual
         # layout (reduce-scatter with SP, all-reduce without)
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
-                                                 use_local_output=not sequence_parallel)
-    if getattr(model, "pos_embeddings", None) is not None:
+        plan[ends.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                               use_local_output=not sequence_parallel)
+    if ends.positions is not None:
         # replicated table; the lookup ([1, S, dim]) is sliced to the sequence shards under SP
-        plan["pos_embeddings"] = ReplicateParallel(output_layout=residual if sequence_parallel else None)
-    if model.norm is not None:
-        plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    if model.output is not None:
+        plan[ends.positions] = ReplicateParallel(output_layout=residual if sequence_parallel else None)
+    if ends.final_norm is not None:
+        plan[ends.final_norm] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    # other modules on the residual stream (a multi-token-prediction module's norms and projection)
+    plan.update({name: SequenceParallel() if sequence_parallel else ReplicateParallel() for name in ends.residual_norms})
+    plan.update({name: ReplicateParallel(output_layout=residual if sequence_parallel else None)
+                 for name in ends.residual_linears})
+    if ends.head is not None:
         # weight Shard(0) on the vocabulary; the sequence-sharded input is all-gathered first
-        plan["output"] = ColwiseParallel(
+        plan[ends.head] = ColwiseParallel(
             input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
     if plan:
         parallelize_module(model, tp_mesh, plan)
-    for block in model.layers.values():  # type: ignore[union-attr]
-        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
-        _replicate_moe(block, tp_mesh)
+    for block, split in splits:
+        parallelize_module(block, tp_mesh, _block_plan(split, sequence_parallel))
+        _replicate_whole(block, split, tp_mesh)
+        for name in split.head_groups:
+            block.get_submodule(name).head_group = tp_mesh.get_group()
     _give_split_dropout_own_streams(model, tp_mesh.get_local_rank(), sequence_parallel)
 
     if tied:
-        # parallelize_module replaced tok_embeddings.weight by a new DTensor parameter and distributed
-        # output.weight separately; both are [vocab, dim] sharded Shard(0) on the same mesh, so one
-        # parameter serves both again (its gradient sums the lookup's and the head's contributions).
-        model.output.weight = model.tok_embeddings.weight
+        # parallelize_module replaced the embedding's weight by a new DTensor parameter and distributed the
+        # head's separately; both are [vocab, dim] sharded Shard(0) on the same mesh, so one parameter
+        # serves both again (its gradient sums the lookup's and the head's contributions).
+        assert ends.embedding is not None and ends.head is not None
+        model.get_submodule(ends.head).weight = model.get_submodule(ends.embedding).weight
 
     if sequence_parallel:
         # Stage boundaries of a pipeline carry full replicated hidden states (see the docstring): a later
         # stage slices its sequence shard locally (no communication) and a non-final stage all-gathers
         # its output sequence.
-        if model.tok_embeddings is None:
+        if ends.embedding is None:
             parallelize_module(model, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
-        if model.output is None:
+        if ends.head is None:
             parallelize_module(model, tp_mesh, PrepareModuleOutput(
                 output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import MicroBatch
-from trainer.models.moe import moe_layers
+from trainer.models import family_of
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
 from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.plugins.strategies.fsdp import FSDPOptions, FSDPSharding, accumulation_flags, reshard_gathered
@@ -60,10 +60,11 @@ def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPr
     blocks' units skip them."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    family = family_of(model)
     if edp_mesh is not None:
-        for _, layer in moe_layers([model]):
+        for _, layer in family.expert_layers([model]):
             replicate(layer.experts, mesh=edp_mesh, mp_policy=mp_policy)
-    for block in model.layers.values():  # type: ignore[union-attr]
+    for block in family.blocks(model).values():
         replicate(block, mesh=mesh, mp_policy=mp_policy)
     replicate(model, mesh=mesh, mp_policy=mp_policy)
     return model

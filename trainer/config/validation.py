@@ -231,28 +231,18 @@ def _validate_model(cfg: DictConfig, strategy: "Strategy") -> None:
 
 
 def _validate_model_family(cfg: DictConfig, model_cfg: Any) -> None:
-    """What a model family cannot do yet. (The model-family contract will ask the family itself; until
-    then Qwen3 and DeepSeek-V3 state their limits in `unsupported_parallelism`: no tp/pp/cp for either
-    (data and expert parallelism only), and for Qwen3 a planner that models every layer alike.)"""
-    from trainer.models.deepseek_v3 import DeepSeekV3Config
-    from trainer.models.qwen3 import Qwen3Config
+    """What the model's family says it cannot do: a parallel layout it has no plan for, a model the
+    planner does not describe (only where the planner runs)."""
+    from trainer.models import family_of
 
-    if isinstance(model_cfg, DeepSeekV3Config):
-        deepseek_problem = model_cfg.unsupported_parallelism(tp=int(cfg.tp), pp=int(cfg.pp), cp=int(cfg.cp))
-        if deepseek_problem is not None:
-            raise ConfigError(*deepseek_problem)
-        return
-    if not isinstance(model_cfg, Qwen3Config):
-        return
-    sizes = {"tp": int(cfg.tp), "pp": int(cfg.pp), "cp": int(cfg.cp)}
-    problem = model_cfg.unsupported_parallelism(**sizes)
-    _require(problem is None, next((k for k, v in sizes.items() if v > 1), "strategy"), str(problem))
-    sparse = model_cfg.sparse_layers
-    planned = cfg.mode == "plan" or (cfg.mode == "train" and bool(cfg.trainer.preflight))
-    _require(not (planned and sparse and len(sparse) != model_cfg.n_layers), "model.mlp_only_layers",
-             f"model {cfg.model.name} mixes dense and MoE layers (mlp_only_layers={list(model_cfg.mlp_only_layers)}, "
-             f"decoder_sparse_step={model_cfg.decoder_sparse_step}), which the planner does not model yet: "
-             "set trainer.preflight=false to train it without the memory check")
+    family = family_of(model_cfg)
+    problem = family.unsupported_parallelism(model_cfg, tp=int(cfg.tp), pp=int(cfg.pp), cp=int(cfg.cp))
+    if problem is not None:
+        raise ConfigError(*problem)
+    if cfg.mode == "plan" or (cfg.mode == "train" and bool(cfg.trainer.preflight)):
+        problem = family.unsupported_planning(model_cfg)
+        if problem is not None:
+            raise ConfigError(*problem)
 
 
 def _validate_expert_parallel(cfg: DictConfig, model_cfg: Any, strategy: "Strategy") -> None:

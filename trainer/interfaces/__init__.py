@@ -7,8 +7,10 @@ know only these classes (tests/test_layering.py keeps it that way).
 
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.hf_adapter import HFAdapter
+from trainer.interfaces.inventory import ModelInventory, ParamSpec
 from trainer.interfaces.lr_schedule import LRSchedule
 from trainer.interfaces.precision import DTYPE_NAMES, DTYPES, Precision
 from trainer.interfaces.strategy import MicroBatch, Strategy
 
-__all__ = ["ActivationCheckpointing", "HFAdapter", "LRSchedule", "Precision", "DTYPES", "DTYPE_NAMES", "Strategy", "MicroBatch"]
+__all__ = ["ActivationCheckpointing", "HFAdapter", "LRSchedule", "ModelInventory", "ParamSpec", "Precision", "DTYPES",
+           "DTYPE_NAMES", "Strategy", "MicroBatch"]

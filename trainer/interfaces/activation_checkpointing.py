@@ -42,14 +42,14 @@ class ActivationCheckpointing:
         del strategy
 
     def apply(self, model: nn.Module) -> None:
-        """Replace the blocks in `model.layers` (an nn.ModuleDict, so stage names survive)."""
-        layers = getattr(model, "layers", None)
-        if layers is None:
-            return
-        config = getattr(model, "config", None)
-        num_layers = int(getattr(config, "n_layers", len(layers)))
-        for position, (name, block) in enumerate(list(layers.items())):
+        """Replace the model's blocks (its family's checkpointing units; a pipeline stage's own)."""
+        from trainer.models import family_of  # the families import this package's model_family: not at load
+
+        family = family_of(model)
+        blocks = family.blocks(model)
+        num_layers = family.num_layers(model)
+        for position, (name, block) in enumerate(list(blocks.items())):
             # The keys are global layer indices (a pipeline stage keeps them), so a stage picks the same
             # blocks as the whole model would: every_n gives the same recomputation under any split.
             index = int(name) if name.isdigit() else position
-            layers[name] = self.wrap_block(block, index, num_layers)
+            family.set_block(model, name, self.wrap_block(block, index, num_layers))

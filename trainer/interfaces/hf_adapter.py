@@ -2,16 +2,34 @@
 files transformers reads (config.json + safetensors) and to import them back.
 
 An adapter maps configs and names only (no file I/O); `trainer.checkpoint.hf` does the files, the
-gathering and the per-rank slicing for every family alike. The hooks below that have a body are the
-defaults a family without that feature keeps. (The model-family contract of issue 28 makes the adapter one
-of the family's declared parts.)
+gathering and the per-rank slicing for every family alike, and names no weight itself: every name (ours
+and transformers') is the adapter's. The hooks below that have a body are the defaults a family without
+that feature keeps. Each family declares its adapter as `hf_adapter` (`trainer.interfaces.ModelFamily`;
+`trainer/models/<family>/hf_adapter.py`), None when transformers has no counterpart.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
+
+# transformers' per-expert SwiGLU names (`<...>.experts.<j>.{gate,up,down}_proj.weight`, the Hub layout).
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def transformers_fused_experts(hf_name: str) -> Optional[tuple[str, int, int]]:
+    """The fused tensor transformers (>= 5) saves in place of the per-expert tensor `hf_name` (`<...>.experts.
+    <j>.{gate,up,down}_proj.weight`), as `HFAdapter.fused_hf_tensor` returns it: `<...>.experts.gate_up_proj`
+    ([E, 2 x hidden, dim], the gate rows first: 2 parts, gate 0, up 1) or `<...>.experts.down_proj`
+    ([E, dim, hidden]: 1 part); None for a name of another layout."""
+    match = _PER_EXPERT.match(hf_name)
+    if match is None:
+        return None
+    if match.group(2) == "down_proj":
+        return f"{match.group(1)}.down_proj", 1, 0
+    return f"{match.group(1)}.gate_up_proj", 2, 0 if match.group(2) == "gate_proj" else 1
 
 
 class HFAdapter:
@@ -52,9 +70,24 @@ class HFAdapter:
         del name
         return False
 
+    def tied_source(self, config: Any, name: str) -> Optional[str]:
+        """The weight that our weight `name` is tied to under `config` (a tied head: the embedding), else
+        None. Export writes only the source (transformers ties the copy itself); import reads the source's
+        tensor into both."""
+        del config, name
+        return None
+
     def stacked_hf_names(self, name: str, count: int) -> Optional[list[str]]:
         """For a weight stacked on dim 0 (`count` experts), transformers' name of each slice; else None."""
         del name, count
+        return None
+
+    def fused_hf_tensor(self, name: str) -> Optional[tuple[str, int, int]]:
+        """For a stacked weight, the tensor a transformers version that fuses the experts saves instead of
+        the per-expert ones: (its name, the number of equal parts it concatenates along dim 1, the part
+        that is this weight); None when there is none. Import reads it when the per-expert tensors are
+        absent (`transformers_fused_experts` gives transformers >= 5's layout)."""
+        del name
         return None
 
     def extra_tensors(self, config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

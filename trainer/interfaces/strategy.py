@@ -58,7 +58,9 @@ def compile_blocks(model: nn.Module) -> None:
     Per-block compilation keeps graphs small (fast to compile, reused across identical blocks) and keeps
     parameter names unchanged, which checkpoints and FSDP rely on.
     """
-    for block in model.layers.values():  # type: ignore[union-attr]
+    from trainer.models import family_of  # the families import this package's model_family: not at load
+
+    for block in family_of(model).blocks(model).values():
         block.compile()
 
 

@@ -377,7 +377,7 @@ class StepStatistics:
     data-parallel ranks in the same collective as the MoE rows and logged with them, so the loop logs them
     without knowing the module. Every rank must report the same number of values (fixed by the config).
 
-    (Issue 28's model-family contract replaces this with a per-step hook of the family.)"""
+    (`DecoderFamily.step_statistics`, the family hook the loop calls, reads them with the MoE rows.)"""
 
     def stat_names(self) -> list[str]:
         """The metric names of `read_stats`' values, in order."""

@@ -119,25 +119,27 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence
 
 
 def rms_norm_saved(name: str, elements: float, tokens: float, r: int, fused: bool, kept_by: frozenset[str],
-                   block_input: bool = False) -> list[Saved]:
+                   block_input: bool = False, split: str = SP) -> list[Saved]:
     """What one RMSNorm over `elements` values of `tokens` tokens keeps, its input being `r` bytes wide.
 
     CUDA runs torch's fused kernel (`aten._fused_rms_norm`), which keeps its input and the fp32 inverse
     RMS; the CPU runs the composite, which computes in fp32 and keeps x (an fp32 upcast of it when the
     input is narrower), x * rstd (fp32) and rstd. A block's first norm reads the block input: what full
-    and selective checkpointing keep instead of everything (`block_input`).
+    and selective checkpointing keep instead of everything (`block_input`). `split`: how tensor parallelism
+    divides it (a norm of the residual stream is sequence-parallel; one of a latent every rank computes
+    whole, FULL).
     """
-    rstd = Saved(f"{name} rstd", tokens, 4, SP)
+    rstd = Saved(f"{name} rstd", tokens, 4, split)
     if fused:
-        return [Saved(f"{name} input", elements, r, SP, kept_by, block_input=block_input), rstd]
+        return [Saved(f"{name} input", elements, r, split, kept_by, block_input=block_input), rstd]
     if r >= 4:
-        saved = [Saved(f"{name} input", elements, r, SP, kept_by, block_input=block_input)]
+        saved = [Saved(f"{name} input", elements, r, split, kept_by, block_input=block_input)]
     else:
-        saved = [Saved(f"{name} input upcast to fp32", elements, 4, SP, kept_by - {"selective"})]
+        saved = [Saved(f"{name} input upcast to fp32", elements, 4, split, kept_by - {"selective"})]
         if block_input:  # what checkpointing keeps: the block input itself
-            saved.append(Saved(f"{name} input (block input)", elements, r, SP, frozenset({"selective"}),
+            saved.append(Saved(f"{name} input (block input)", elements, r, split, frozenset({"selective"}),
                                block_input=True))
-    return saved + [Saved(f"{name} x*rstd", elements, 4, SP), rstd]
+    return saved + [Saved(f"{name} x*rstd", elements, 4, split), rstd]
 
 
 def saved_tensors(inv: ModelInventory, s: int, b: int, e: int, mask_bytes: int = 1,
@@ -278,14 +280,15 @@ def mla_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, r: int, *, ca
     saved = [*rms_norm_saved("attention_norm", sb * h, sb, r, fused_norm, kept, block_input=True),
              Saved(f"wq_a/wkv_a input (norm output){each}", readers * sb * h, e, FULL)]
     if ql:
-        saved += [*rms_norm_saved("q_norm", sb * ql, sb, e, fused_norm, KEEP_ALL),
-                  Saved("wq_b input (q_norm output)", sb * ql, e, TP),
-                  Saved("wq_a output", sb * ql, e, TP, frozenset({"selective"}))]
-    kv_norm = rms_norm_saved("kv_norm", sb * kvr, sb, e, fused_norm, KEEP_ALL)
+        # the latents every head reads: whole on every tp rank (`DeepSeekV3Family.block_split`)
+        saved += [*rms_norm_saved("q_norm", sb * ql, sb, e, fused_norm, KEEP_ALL, split=FULL),
+                  Saved("wq_b input (q_norm output)", sb * ql, e, FULL),
+                  Saved("wq_a output", sb * ql, e, FULL, frozenset({"selective"}))]
+    kv_norm = rms_norm_saved("kv_norm", sb * kvr, sb, e, fused_norm, KEEP_ALL, split=FULL)
     if fused_norm or e >= 4:  # it keeps its input, a view of the wkv_a output: that whole storage
-        kv_norm[0] = Saved("kv_norm input (the wkv_a output, the rotated key part too)", sb * (kvr + dr), e, TP)
-    saved += [*kv_norm, Saved("wkv_b input (kv_norm output)", sb * kvr, e, TP),
-              Saved("wkv_a output", sb * (kvr + dr), e, TP, frozenset({"selective"})),
+        kv_norm[0] = Saved("kv_norm input (the wkv_a output, the rotated key part too)", sb * (kvr + dr), e, FULL)
+    saved += [*kv_norm, Saved("wkv_b input (kv_norm output)", sb * kvr, e, FULL),
+              Saved("wkv_a output", sb * (kvr + dr), e, FULL, frozenset({"selective"})),
               Saved("wq_b (or wq), wkv_b outputs", sb * a * (2 * dq - dr + dv), e, TP, frozenset({"selective"}))]
     if materialized:
         saved += [Saved("q, k (for QK^T)", 2 * sb * a * dq, e, TP),
@@ -514,8 +517,8 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
     last = log_probs = held_logits = loss_backward = 0.0
     if part.last:
         head_specs = [p for p in inv.head if p.matmul]
-        if inv.tied:  # the output head multiplies with the embedding's weight
-            head_specs.append(ParamSpec("output.weight", (inv.vocab_size, inv.dim), 0, True))
+        if inv.tied_head is not None:  # the output head multiplies with the embedding's weight
+            head_specs.append(inv.tied_head)
         head_cast = matmul_weight_elements(head_specs, layout)[0] if casts else 0.0
         vocab_sharded = layout.loss_parallel and t > 1
         fused_loss = layout.compiled and not vocab_sharded

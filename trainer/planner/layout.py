@@ -234,5 +234,5 @@ def _fused_requested(optimizer: DictConfig) -> bool:
 
 
 def model_config(cfg: DictConfig) -> Any:
-    """The model config dataclass (`LlamaConfig` / `GPTConfig`) of a composed config."""
+    """The model config dataclass of a composed config (its family's `config_class`)."""
     return OmegaConf.to_object(cfg.model)

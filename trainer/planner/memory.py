@@ -217,8 +217,8 @@ def rank_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[
         specs += [(p, 1) for p in inv.embedding]
     if part.last:
         specs += [(p, 1) for p in (*inv.head, *inv.mtp)]
-        if inv.tied and not part.first:
-            specs.append((ParamSpec("output.weight", (inv.vocab_size, inv.dim), 0, True), 1))
+        if inv.tied_head is not None and not part.first:
+            specs.append((inv.tied_head, 1))
     return specs
 
 

@@ -118,12 +118,12 @@ def _fractions(inv: ModelInventory, layout: Layout, coords: RankCoords) -> tuple
     part = rank_part(inv, layout, coords.pp)
     first = last = blocks = 0.0
     embedding = {id(p) for p in inv.embedding}
-    head = {id(p) for p in (*inv.head, *inv.mtp)}
+    head = {id(p) for p in (*inv.head, *inv.mtp, inv.tied_head) if p is not None}  # a tied head's copy too
     for spec, copies in rank_param_specs(inv, layout, coords.pp):
         numel = copies * math.prod(spec.local_shape(layout.tp))
         if id(spec) in embedding:
             first += numel
-        elif id(spec) in head or spec.name == "output.weight":
+        elif id(spec) in head:
             last += numel
         else:
             blocks += numel

@@ -12,8 +12,9 @@ reads both the per-expert and transformers' fused expert tensors; an MTP layer a
 (`optional`; a warning says so).
 
 The adapter only maps names and configs (the `HFAdapter` interface); reading and writing files is
-`trainer/checkpoint/hf.py`'s job (it finds this adapter in its registry, by config class and by
-`model_type`). It raises ValueError for what has no counterpart.
+`trainer/checkpoint/hf.py`'s job (it finds this adapter as the DeepSeek-V3 family's `hf_adapter`, by config
+class and by `model_type`). It raises ValueError for what has no counterpart. The embeddings are never
+tied (`tie_embeddings` is always false), so `tied_source` keeps its default.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.interfaces.hf_adapter import HFAdapter
+from trainer.interfaces.hf_adapter import HFAdapter, transformers_fused_experts
 from trainer.models.deepseek_v3.model import DeepSeekV3Config
 
 # Per block: ours -> transformers' (under `model.layers.<i>.`).
@@ -183,6 +184,12 @@ class DeepSeekV3HFAdapter(HFAdapter):
         if block is None or block[1] not in _EXPERT_NAMES:
             return None
         return [f"{block[0]}.mlp.experts.{j}.{_EXPERT_NAMES[block[1]]}.weight" for j in range(count)]
+
+    def fused_hf_tensor(self, name: str) -> Optional[tuple[str, int, int]]:
+        """transformers (>= 5)'s fused `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` holding a
+        stacked routed-expert weight."""
+        names = self.stacked_hf_names(name, 1)
+        return None if names is None else transformers_fused_experts(names[0])
 
     def extra_tensors(self, config: DeepSeekV3Config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The published checkpoint's copies of the shared embedding and head in each MTP layer (which

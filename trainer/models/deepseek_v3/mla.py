@@ -16,7 +16,7 @@ kv_lora_rank + qk_rope_head_dim values per token and layer (576 for DeepSeek-V3,
 128 for plain multi-head attention), from which `wkv_b` rebuilds every head's keys and values.
 
 RoPE: the published weights order each rotated pair as neighbouring channels (transformers'
-`rope_interleave=True`); `apply_rope` (trainer/models/llama.py) pairs channel i with i + d/2 (`rotate_half`).
+`rope_interleave=True`); `apply_rope` (trainer/models/llama/model.py) pairs channel i with i + d/2 (`rotate_half`).
 De-interleaving the rotated part first (even channels, then odd) gives exactly transformers'
 `apply_rotary_pos_emb_interleave`, whose output is the de-interleaved rotation; since q and k are permuted
 alike the scores do not change, so the weights stay in the published layout.
@@ -35,9 +35,11 @@ transformers' `_compute_yarn_parameters` and `yarn_apply_mscale` exactly:
 from __future__ import annotations
 
 import math
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -113,6 +115,23 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+class _SumGradientOverGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group (Megatron's "copy to the model-parallel
+    region"): for a tensor every rank computes whole and each uses for its own heads. The group is held
+    weakly, as `_SumOverGroup` in moe.py does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = weakref.ref(group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group())
+        return grad, None
+
+
 class MLACoreAttention(CoreAttention):
     """Causal ``softmax(q k^T * scale) v`` with MLA's softmax scale and a value width (v_head_dim) that
     differs from the query/key width; the module activation_checkpointing=attention recomputes."""
@@ -131,6 +150,11 @@ class MLACoreAttention(CoreAttention):
 class MultiHeadLatentAttention(nn.Module):
     """MLA (see the module docstring): low-rank queries, keys and values rebuilt from a compressed latent,
     and a decoupled rotary key part shared across heads."""
+
+    # The ranks the heads are split over (tensor parallelism, set by the strategy for the modules the family
+    # names in `BlockSplit.head_groups`): each rank's heads use the shared rotary key, whose gradient is
+    # then a sum over the ranks.
+    head_group: Optional[dist.ProcessGroup] = None
 
     def __init__(self, dim: int, n_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float,
@@ -169,6 +193,8 @@ class MultiHeadLatentAttention(nn.Module):
         batch, seq_len, _ = x.shape
         c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_rope = self._rotate(k_rope.view(batch, seq_len, 1, self.qk_rope_head_dim), rope_cache)
+        if self.head_group is not None:
+            k_rope = _SumGradientOverGroup.apply(k_rope, self.head_group)
         return self.kv_norm(c_kv), k_rope
 
     def queries(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:

@@ -198,25 +198,6 @@ class DeepSeekV3Config:
         """Whether main-model block `index` has a DeepSeekMoE feed-forward (MTP blocks always do)."""
         return index >= self.first_k_dense_replace
 
-    def unsupported_parallelism(self, *, tp: int, pp: int, cp: int) -> Optional[tuple[str, str]]:
-        """(config key, why) for a parallel layout this model cannot run yet, else None.
-
-        Data-parallel strategies (ddp, zero1/2/3, fsdp) need nothing from a model family, and expert
-        parallelism splits every DeepSeekMoE (the MTP module's too) as it splits any MoE layer; tensor,
-        pipeline and context parallelism need what the model-family contract (issue 28) will bring."""
-        why = {
-            "tp": "tensor parallelism has no plan for multi-head latent attention (wq_a/wq_b/wkv_a/wkv_b) yet",
-            "pp": "pipeline parallelism cannot split DeepSeek-V3 yet (its MTP module needs the embedding and "
-                  "the main model's last hidden states on one stage)",
-            "cp": "context parallelism is not built for DeepSeek-V3 (MLA's attention core and MTP's shifted "
-                  "tokens across sequence shards)",
-        }
-        for key, size in (("tp", tp), ("pp", pp), ("cp", cp)):
-            if size > 1:
-                return key, (f"{key}={size} with model {self.name}: {why[key]} (DeepSeek-V3 runs with "
-                             "strategy=single, ddp, zero1, zero2, zero3 or fsdp, and ep)")
-        return None
-
 
 class DeepSeekV3Block(nn.Module):
     """Pre-norm block ``x + mla(norm(x))`` then ``h + ffn(norm(h))``, with a dense SwiGLU or DeepSeekMoE."""

@@ -7,8 +7,8 @@ w3 = up, w2 = down), split on export and stacked on import (transformers >= 5 fu
 `gate_up_proj` in memory itself when it loads). Nothing is permuted: our RoPE is rotate-half, as theirs.
 
 This module only maps names and configs (no file I/O, no checkpoint imports): `trainer.checkpoint.hf`
-drives export and import through it (its adapter registry), and raises the `ValueError`s here as
-checkpoint errors.
+drives export and import through it (the Qwen3 family's `hf_adapter`), and raises the `ValueError`s here
+as checkpoint errors.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.interfaces.hf_adapter import HFAdapter
+from trainer.interfaces.hf_adapter import HFAdapter, transformers_fused_experts
 from trainer.models.qwen3.model import Qwen3Config
 
 _GLOBAL = {
@@ -157,6 +157,10 @@ class Qwen3HFAdapter(HFAdapter):
         never uses: it is only saved when a bias update rate is set, which Qwen3Config has not)."""
         return name.endswith("expert_bias")
 
+    def tied_source(self, config: Qwen3Config, name: str) -> Optional[str]:
+        """A tied head reads the embedding (transformers ties lm_head to embed_tokens itself)."""
+        return "tok_embeddings.weight" if name == "output.weight" and config.tie_embeddings else None
+
     def hf_name(self, name: str) -> str:
         """transformers' name of one of our (non-stacked) weights."""
         if name in _GLOBAL:
@@ -174,6 +178,12 @@ class Qwen3HFAdapter(HFAdapter):
             return None
         weight = match.group(2).rsplit(".", 1)[1]
         return [f"model.layers.{match.group(1)}.mlp.experts.{j}.{_EXPERTS[weight]}.weight" for j in range(count)]
+
+    def fused_hf_tensor(self, name: str) -> Optional[tuple[str, int, int]]:
+        """transformers (>= 5)'s fused `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` holding a
+        stacked expert weight."""
+        names = self.stacked_hf_names(name, 1)
+        return None if names is None else transformers_fused_experts(names[0])
 
     def our_name(self, hf_name: str) -> tuple[str, Optional[int]]:
         """Our name of a transformers weight, and the expert index when it is one slice of a stacked
@@ -196,7 +206,7 @@ class Qwen3HFAdapter(HFAdapter):
         """Our full state dict -> transformers' (Hub layout); a tied head is left to transformers' tying."""
         out: dict[str, torch.Tensor] = {}
         for name, tensor in state.items():
-            if (name == "output.weight" and config.tie_embeddings) or self.skipped(name):
+            if self.tied_source(config, name) is not None or self.skipped(name):
                 continue
             names = self.stacked_hf_names(name, tensor.shape[0])
             if names is None:

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.models.common import CausalLM, init_linear_, module_device, require_divisible, require_positive
 from trainer.models.llama import CoreAttention, FeedForward, apply_rope, compute_rope_cache
-from trainer.models.moe import MoE, _in_backward
+from trainer.models.moe import MoE, _in_backward, _SumOverGroup
 
 
 @dataclass
@@ -148,21 +149,6 @@ class Qwen3Config:
     def sparse_layers(self) -> list[int]:
         """Indices of the MoE layers."""
         return [i for i in range(self.n_layers) if self.is_sparse_layer(i)]
-
-    def unsupported_parallelism(self, tp: int, pp: int, cp: int) -> Optional[str]:
-        """Why this model cannot run with these parallel sizes (None: it can).
-
-        The tensor-parallel plan, the pipeline split and the context-parallel attention of the
-        strategies are written for the Llama/GPT blocks; Qwen3's q/k norms and (for the MoE) its
-        loss pooled over all MoE layers need their own, which the model-family contract will let a
-        family declare. Until then such runs are refused rather than split wrongly.
-        """
-        used = [f"{name}={size}" for name, size in (("tp", tp), ("pp", pp), ("cp", cp)) if size > 1]
-        if not used:
-            return None
-        return (f"{', '.join(used)}: tensor, pipeline and context parallelism are not implemented for the "
-                f"Qwen3 family yet (model {self.name}); use a data-parallel strategy (ddp, zero1, zero2, zero3, "
-                "fsdp), with ep for the experts of an MoE")
 
 
 class Qwen3Attention(nn.Module):
@@ -279,6 +265,12 @@ class Qwen3MoE(MoE):
         del chosen, seq_len
         prob_sum = probs.sum(dim=0)
         counts = counts.detach().float()
+        if self.sequence_group is not None and self.training:
+            # context parallelism: the statistics of the whole sequences, as the single process counts them
+            # (`_SumOverGroup` gives each rank's probabilities their share of the gradient)
+            size = dist.get_world_size(self.sequence_group)
+            summed = _SumOverGroup.apply(torch.cat([counts, prob_sum]), self.sequence_group)
+            counts, prob_sum, tokens = summed[:self.n_experts].detach(), summed[self.n_experts:], tokens * size
         alone = self.n_experts * torch.sum(counts / tokens * prob_sum / tokens)
         pool = self.balance_pool
         if pool is None:  # used outside a Qwen3 forward: the layer is its own pool
@@ -316,8 +308,7 @@ class Qwen3(CausalLM):
 
     The model-level glue (embedding, RoPE table, final norm, head, document masking, stage-shaped
     forward) is the Llama's: set ``tok_embeddings`` / ``norm`` / ``output`` to None or delete entries of
-    ``layers`` for a pipeline stage (not split by any strategy yet, see
-    `Qwen3Config.unsupported_parallelism`).
+    ``layers`` for a pipeline stage (`Qwen3Family.unsupported_parallelism` says what cannot be split).
     """
 
     # The pooled routing statistics of the latest forward (MoE only; `PooledBalance.value()` is the
