@@ -47,7 +47,8 @@ def _existing_ops(names: list[tuple[Any, str]]) -> list[torch._ops.OpOverload]:
     return found
 
 
-# What `selective` keeps: matmuls (recomputing them would cost a forward's FLOPs), fused attention
+# What `selective` keeps: matmuls (recomputing them would cost a forward's FLOPs; an MoE's grouped matmuls
+# too, whose recompute would run the experts' forward again), fused attention
 # (quadratic in the sequence length) and tensor-parallel reduce-scatters (a recompute would communicate
 # again, as torchtitan's op-level policy also avoids). Everything else is cheap to recompute.
 SELECTIVE_SAVE_OPS: list[torch._ops.OpOverload] = _existing_ops([
@@ -56,6 +57,7 @@ SELECTIVE_SAVE_OPS: list[torch._ops.OpOverload] = _existing_ops([
     (torch.ops.aten, "bmm"),
     (torch.ops.aten, "baddbmm"),
     (torch.ops.aten, "_scaled_mm"),
+    (torch.ops.aten, "_grouped_mm"),
     (torch.ops.aten, "_scaled_dot_product_flash_attention"),
     (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
     (torch.ops.aten, "_scaled_dot_product_efficient_attention"),

@@ -342,13 +342,23 @@ def block_inventory(inv: ModelInventory, group: int) -> ModelInventory:
 def moe_saved_tensors(inv: ModelInventory, s: int, b: int, e: int) -> list[Saved]:
     """What an MoE layer (trainer/models/moe.py) keeps beyond a SwiGLU of width top_k x expert + shared:
     the tokens gathered for the experts, the experts' outputs and their weighted sum (top_k rows per token
-    each), the router's fp32 logits and probabilities, and the routing's indices and weights."""
+    each), the router's fp32 logits and probabilities, and the routing's indices and weights. Op-level
+    selective keeps the matmul outputs instead (the grouped matmuls' too): the SwiGLU terms count the gate
+    and up projections' and one w2 output per token; the routed experts' w2 gives top_k rows per token (plus
+    the shared expert's one), and the router's matmul its fp32 logits."""
     tokens, k = s * b, inv.top_k
+    selective = frozenset({"selective"})
+    expert_specs = [p for _, specs in (inv.layer_groups or ((0, inv.layer),)) for p in specs if p.expert]
+    expert_width = expert_specs[0].numel // (expert_specs[0].shape[0] * inv.dim)
+    shared = inv.ffn_dim > k * expert_width  # a shared expert: a dense SwiGLU beside the routed ones
     return [Saved("tokens dispatched to the experts, their outputs and weighted outputs", 3 * tokens * k * inv.dim,
                   e, FULL),
             Saved("router logits and probabilities (fp32)", 2 * tokens * inv.n_experts, 4, FULL),
             Saved("routing: chosen experts and their order (int64), combine weights (fp32)", tokens * k * 3,
-                  8, FULL)]
+                  8, FULL),
+            Saved("routed (and shared) w2 outputs beyond one per token", (k + shared - 1) * tokens * inv.dim, e,
+                  FULL, selective),
+            Saved("router matmul output (fp32 logits)", tokens * inv.n_experts, 4, FULL, selective)]
 
 
 def mtp_saved_tensors(inv: ModelInventory, s: int, b: int, e: int, r: int, *, fused_norm: bool) -> list[Saved]:
