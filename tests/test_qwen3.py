@@ -432,8 +432,10 @@ PARITY_RUN = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.max
 
 
 # (model, run name, strategy overrides): 2 gloo processes each
-DATA_PARALLEL = [("qwen3_tiny", "ddp", ["strategy=ddp"]), ("qwen3_tiny", "zero3", ["strategy=zero3"]),
-                 ("qwen3_moe_tiny", "ddp", ["strategy=ddp"]), ("qwen3_moe_tiny", "zero3", ["strategy=zero3"]),
+DATA_PARALLEL = [("qwen3_tiny", "ddp", ["strategy=ddp"]), ("qwen3_tiny", "zero1", ["strategy=zero1"]),
+                 ("qwen3_tiny", "zero3", ["strategy=zero3"]),
+                 ("qwen3_moe_tiny", "ddp", ["strategy=ddp"]), ("qwen3_moe_tiny", "zero2", ["strategy=zero2"]),
+                 ("qwen3_moe_tiny", "zero3", ["strategy=zero3"]), ("qwen3_moe_tiny", "fsdp", ["strategy=fsdp"]),
                  ("qwen3_moe_tiny", "ddp_ep2", ["strategy=ddp", "ep=2"])]
 # tp splits the heads with their q/k norms (sequence parallel), the MoE runs whole on each rank; pp splits the
 # dense model (the MoE's pooled loss keeps it off pp); cp splits the sequences, the pooled loss summing its
@@ -454,7 +456,9 @@ def test_every_strategy_matches_one_process(tmp_path: Path) -> None:
     """2 ranks x 2 micro-batches of 4 hold the same micro-batches as one process's 4 micro-batches of 4, so
     the per-micro-batch pooled aux loss is the same too: same losses and weights (ep=2: each rank holds 4
     of the 8 experts of every layer and exchanges tokens). tp, pp and cp run all 4 micro-batches on both
-    ranks: the parity rule's rtol 1e-4 for model parallelism."""
+    ranks: the parity rule's rtol 1e-4 for model parallelism, and weights within 5e-5. Measured over 6 steps:
+    losses at most 1.3e-7 relative apart (every layout), weights 1.3e-6 (data parallel, ep2 the farthest)
+    and 8.2e-6 (tp2; cp2 6.5e-6, pp2 2.4e-7)."""
     launched = POOL.ensure(2, "qwen3") / "np2"
     for model in ("qwen3_tiny", "qwen3_moe_tiny"):
         reference = build_trainer(compose([f"model={model}", *PARITY_RUN, "trainer.micro_batch_size=4"]),
@@ -468,4 +472,5 @@ def test_every_strategy_matches_one_process(tmp_path: Path) -> None:
             theirs = torch.load(run_dir / "weights.pt", weights_only=True)
             assert theirs.keys() == weights.keys()
             for key, value in weights.items():
-                torch.testing.assert_close(theirs[key], value, atol=1e-5, rtol=0, msg=f"{model} {name} {key}")
+                torch.testing.assert_close(theirs[key], value, atol=5e-5 if rel == 1e-4 else 1e-5, rtol=0,
+                                           msg=f"{model} {name} {key}")
