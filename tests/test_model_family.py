@@ -239,3 +239,24 @@ def test_a_block_the_family_cannot_split_is_refused_before_anything_is_split() -
     del model.layers["1"].attention.wk
     with pytest.raises(ValueError, match="has no attention.wk"):
         family_of(model).block_split(model.layers["1"])
+
+
+def test_the_planner_search_splits_what_the_family_says_tp_divides() -> None:
+    """DeepSeek-V3's MoE layers run whole on every tp rank: an expert width tp does not divide (90 x 3 = 270
+    for the planner's MoE SwiGLU) leaves tp=4 open, since the family names only the heads, the dense MLP and
+    the vocabulary; a head count it does not divide closes it."""
+    from trainer.config import compose
+    from trainer.planner.core import hardware_from_config
+    from trainer.planner.layout import layout_from_config, model_config
+    from trainer.planner.params import inventory
+    from trainer.planner.search import candidate_layouts, family_tp_sizes
+
+    def tp_sizes(*overrides: str) -> set[int]:
+        cfg = compose(["model=deepseek_v3_tiny", "trainer.devices=4", "trainer.seq_len=64", "trainer.micro_batch_size=1",
+                       "trainer.global_batch_size=8", "hardware.devices_per_node=4", "mode=plan", *overrides])
+        layouts = candidate_layouts(inventory(model_config(cfg)), layout_from_config(cfg), hardware_from_config(cfg),
+                                    family_tp_sizes(cfg))
+        return {layout.tp for layout in layouts}
+
+    assert tp_sizes("model.moe_hidden_dim=90") == {1, 2, 4}
+    assert tp_sizes("model.moe_hidden_dim=90", "model.n_heads=6") == {1, 2}

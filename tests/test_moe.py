@@ -403,11 +403,12 @@ def test_the_plan_reports_total_and_active_parameters_and_counts_expert_shards_e
 def test_the_planner_search_considers_expert_parallelism() -> None:
     from trainer.planner.layout import layout_from_config, model_config
     from trainer.planner.params import inventory
-    from trainer.planner.search import candidate_layouts
+    from trainer.planner.search import candidate_layouts, family_tp_sizes
     from trainer.planner.core import hardware_from_config
 
     cfg = compose(["recipe=mixtral_8x7b_64xh100", "mode=plan"])
-    layouts = candidate_layouts(inventory(model_config(cfg)), layout_from_config(cfg), hardware_from_config(cfg))
+    layouts = candidate_layouts(inventory(model_config(cfg)), layout_from_config(cfg), hardware_from_config(cfg),
+                                family_tp_sizes(cfg))
     assert {layout.ep for layout in layouts if layout.dp_flavour in ("ddp", "zero1", "zero2", "zero3")} == {1, 2, 4, 8}
 
 

@@ -1,8 +1,8 @@
 """`plan.search=true`: enumerate the ways to run the same model and batch on the same machines.
 
 The space, for the configured world size W, hardware and global batch:
-- tp: divisors of W up to the devices per node that split the model (heads, kv heads, ffn width,
-  vocabulary and, with sequence parallelism, the sequence, as the tp strategy requires);
+- tp: divisors of W up to the devices per node that split the model (what the model's family says tp must
+  divide, `ModelFamily.tensor_parallel_sizes`, and the sequence, as the tp strategy requires);
 - pp: divisors of W / tp up to the number of layers, with at least pp micro-batches per step;
 - cp: divisors of W / (tp pp) up to 64 that cut the sequence into 2 x cp chunks (ring attention with
   causal load balancing, the method the search assumes; cp=1 always);
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from omegaconf import DictConfig
 
@@ -43,22 +43,30 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_ok(inv: ModelInventory, tp: int, seq_len: int) -> bool:
-    if tp == 1:
-        return True
-    sizes = (inv.n_heads, inv.n_kv_heads, inv.ffn_dim, inv.vocab_size, seq_len)
-    return all(size % tp == 0 for size in sizes)
+def _tp_ok(tp_sizes: Sequence[int], tp: int, seq_len: int) -> bool:
+    return tp == 1 or all(size % tp == 0 for size in (*tp_sizes, seq_len))
+
+
+def family_tp_sizes(cfg: DictConfig) -> list[int]:
+    """The sizes tensor parallelism must divide in the configured model (its family's declaration)."""
+    from trainer.models import family_of
+    from trainer.planner.layout import model_config
+
+    model_cfg = model_config(cfg)
+    return [size for _, size, _ in family_of(model_cfg).tensor_parallel_sizes(model_cfg)]
 
 
 def _cp_sizes(seq_len: int, ranks: int) -> list[int]:
     return [cp for cp in _divisors(ranks) if cp <= MAX_CP and seq_len % (2 * cp) == 0]
 
 
-def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfig) -> Iterator[Layout]:
+def candidate_layouts(inv: ModelInventory, base: Layout, hardware: HardwareConfig,
+                      tp_sizes: Sequence[int]) -> Iterator[Layout]:
+    """Every layout of the space above; `tp_sizes`: `family_tp_sizes`."""
     world, batch = base.world_size, base.global_batch_size
     for tp, pp, cp in ((tp, pp, cp) for tp in _divisors(world) for pp in _divisors(world // tp)
                        for cp in _cp_sizes(base.seq_len, world // (tp * pp))):
-        if tp > hardware.devices_per_node or not _tp_ok(inv, tp, base.seq_len // cp) or pp > inv.n_layers:
+        if tp > hardware.devices_per_node or not _tp_ok(tp_sizes, tp, base.seq_len // cp) or pp > inv.n_layers:
             continue
         dp = world // (tp * pp * cp)
         if batch % dp:
@@ -161,11 +169,11 @@ def describe(layout: Layout) -> str:
     return " ".join(parts)
 
 
-def rank_candidates(inv: ModelInventory, base: Layout, hardware: HardwareConfig,
-                    options: PlanOptions) -> list[tuple[Layout, list[RankEstimate]]]:
+def rank_candidates(inv: ModelInventory, base: Layout, hardware: HardwareConfig, options: PlanOptions,
+                    tp_sizes: Sequence[int]) -> list[tuple[Layout, list[RankEstimate]]]:
     """Every candidate that fits, best estimated throughput first."""
     fitting = []
-    for layout in candidate_layouts(inv, base, hardware):
+    for layout in candidate_layouts(inv, base, hardware, tp_sizes):
         estimates = evaluate(inv, layout, hardware, options)
         ok, _ = fits(estimates, hardware, options)
         if ok:
@@ -196,7 +204,7 @@ def search_configurations(cfg: DictConfig, inv: ModelInventory, base: Layout, ha
     suggestions: list[Suggestion] = []
     seen: set[tuple[str, ...]] = set()
     rejected = 0
-    for layout, estimates in rank_candidates(inv, base, hardware, options):
+    for layout, estimates in rank_candidates(inv, base, hardware, options, family_tp_sizes(cfg)):
         overrides = layout_overrides(layout)
         key = tuple(overrides)
         if key in seen:
