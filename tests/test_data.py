@@ -466,3 +466,59 @@ def test_hydra_configs_compose_and_instantiate(tmp_path: Path) -> None:
         assert isinstance(ds, TokenFileDataset) and ds.num_tokens["train"] > 0
         with pytest.raises(Exception, match="max_bytes"):
             compose(overrides=["+data=stdlib", "data.max_bytes=lots"])
+
+
+# ---- token ids beyond the model's vocabulary --------------------------------------------------------------
+def _token_dir(path: Path, train: np.ndarray, val: np.ndarray, vocab_size: int) -> Path:
+    """A format-1 token directory whose meta.json says `vocab_size`, whatever ids the files hold."""
+    path.mkdir()
+    train.astype("<u2").tofile(path / "train.bin")
+    val.astype("<u2").tofile(path / "val.bin")
+    (path / "meta.json").write_text(json.dumps({"format_version": 1, "dtype": "uint16", "vocab_size": vocab_size,
+                                                "num_tokens": {"train": len(train), "val": len(val)}}))
+    return path
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_file_and_the_id(tmp_path: Path) -> None:
+    """A meta.json that under-reports the vocabulary: the run is refused before it starts, with the file and
+    its largest id (not an IndexError from the embedding hours later)."""
+    from trainer.config import ConfigError, compose, validate
+
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 256, 5000), rng.integers(0, 256, 1000)
+    val[123] = 300
+    data = _token_dir(tmp_path / "ds", train, val, vocab_size=256)
+    cfg = compose(["model=tiny", "data=token_file", f"data.path={data}", "trainer.seq_len=32"])
+    with pytest.raises(ConfigError, match=rf"^data: {data / 'val.bin'} holds token id 300, beyond model.vocab_size=256 "
+                                          r"\(the source says its vocabulary has 256 ids\)"):
+        validate(cfg)
+    # the scan is cached beside the files, keyed by size and modification time
+    cache = json.loads((data / "token_ids.json").read_text())
+    assert (cache["train.bin"]["max"], cache["val.bin"]["max"]) == (int(train.max()), 300)
+    # a model whose vocabulary covers the ids accepts the data
+    validate(compose(["model=tiny", "model.vocab_size=512", "data=token_file", f"data.path={data}",
+                      "trainer.seq_len=32"]))
+
+
+def test_the_largest_id_is_read_from_the_cache_while_the_file_is_unchanged(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.data.token_ids as token_ids
+
+    data = _token_dir(tmp_path / "ds", np.arange(1000) % 200, np.arange(100) % 50, vocab_size=256)
+    tokens = np.memmap(data / "train.bin", dtype="<u2", mode="r")
+    assert token_ids.largest_token_id(data / "train.bin", tokens) == 199
+    cache = json.loads((data / "token_ids.json").read_text())
+    cache["train.bin"]["max"] = 7  # what a current entry says is what is returned: no scan
+    (data / "token_ids.json").write_text(json.dumps(cache))
+    assert token_ids.largest_token_id(data / "train.bin", tokens) == 7
+    os.utime(data / "train.bin", ns=(time.time_ns(), time.time_ns() + 10**9))  # the file changed: scanned again
+    assert token_ids.largest_token_id(data / "train.bin", tokens) == 199
+
+    # a directory the cache cannot be written to (read-only): scanned, no error, nothing left behind
+    def refuse(src: str, dst: str) -> None:
+        raise PermissionError(13, "Read-only file system", dst)
+
+    (data / "token_ids.json").unlink()
+    monkeypatch.setattr(token_ids.os, "replace", refuse)
+    assert token_ids.largest_token_id(data / "train.bin", tokens) == 199
+    assert sorted(p.name for p in data.iterdir()) == ["meta.json", "train.bin", "val.bin"]

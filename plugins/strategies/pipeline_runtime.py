@@ -4,8 +4,10 @@ Each rank of the `pp` mesh dimension holds one stage (or, for the interleaved sc
 "virtual" stages r, r + P, r + 2P, ...: Narayanan et al. 2021). A stage is a copy of the model that
 keeps only its own transformer blocks (`layers` keys unchanged, so checkpoints and optimizer states
 keep their names); the token embedding lives on the first stage, the final norm and the output head
-on the last (`CausalLM.first_stage_modules` / `last_stage_modules`), and the model's forward skips
-the modules that are None.
+on the last (`CausalLM.first_stage_modules` / `last_stage_modules`; DeepSeek-V3's last stage also holds
+its multi-token-prediction module and a copy of the embedding, `pipeline_tied.py`), and the model's
+forward skips the modules that are None. Every stage gets its micro-batch's token and document ids
+(`pipeline_tokens`, `pipeline_doc_ids`): a later stage receives only hidden states.
 
 One optimizer step is one schedule step over this rank's micro-batches: the data loader already
 cuts the global batch into `global_batch / (micro_batch x dp)` micro-batches, which become the
@@ -87,6 +89,7 @@ class Pipeline:
         self._scale_in_loss = False
         self._recorded_losses: list[torch.Tensor] = []
         self.tied = TiedWeights()
+        self.family: Any = None  # the model's family (`split`)
 
     # ---- topology -----------------------------------------------------------------------------------
     @property
@@ -121,7 +124,8 @@ class Pipeline:
     # ---- model --------------------------------------------------------------------------------------
     def split(self, model: nn.Module) -> list[nn.Module]:
         """This rank's stages of `model`, in increasing stage order (the order the schedule expects)."""
-        self.stage_ranges = self.options.stage_ranges(len(family_of(model).blocks(model)), self.num_stages)
+        self.family = family_of(model)
+        self.stage_ranges = self.options.stage_ranges(len(self.family.blocks(model)), self.num_stages)
         self.stage_indices = stage_indices_of_rank(self.pp_rank, self.pp_size, self.options.virtual_stages)
         if self.log_layout:
             layout = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self.stage_ranges))
@@ -198,8 +202,11 @@ class Pipeline:
         if self.holds_last_stage:
             target = torch.cat([batch[1] for batch in microbatches]).to(self.device, non_blocking=True)
             losses = []
-        for stage in self.stages:  # document masking: each stage reads its micro-batch's ids (every rank has them)
-            stage.chunk_doc_ids = [batch[2].to(self.device) if len(batch) > 2 else None for batch in microbatches]
+        # each stage reads its micro-batch's token and document ids (every rank has them)
+        tokens = [batch[0].to(self.device, non_blocking=True) for batch in microbatches]
+        doc_ids = [batch[2].to(self.device) if len(batch) > 2 else None for batch in microbatches]
+        for stage in self.stages:
+            stage.chunk_tokens, stage.chunk_doc_ids = tokens, doc_ids
         if train:
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
@@ -232,7 +239,15 @@ class Pipeline:
         finally:
             self._normalizer = None
         self.tied.sum_grads()
+        # what one stage accumulated for the whole model (DeepSeek-V3's MTP losses), on every pp rank
+        if self.family is not None:
+            self.family.sum_statistics_over_stages(model_parts, self._sum_over_stages)
         return self._from_last_stage(loss)
+
+    def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.to(self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return total.cpu()
 
     @torch.no_grad()
     def evaluate(self, model_parts: Sequence[nn.Module], batches: Sequence[MicroBatch],

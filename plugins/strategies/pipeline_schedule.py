@@ -135,13 +135,21 @@ class PrecisionStage(PipelineStage):
     def __init__(self, *args: Any, autocast: Callable[[], ContextManager[Any]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._autocast = autocast
-        # Under document masking, the document ids of each micro-batch of the step (set by the pipeline):
-        # a stage receives only hidden states, so the ids reach its model as `pipeline_doc_ids`.
+        # The token ids and (under document masking) the document ids of each micro-batch of the step, set
+        # by the pipeline: a stage receives only hidden states, so they reach its model as `pipeline_tokens`
+        # (read by the models that need them on a later stage: DeepSeek-V3's multi-token prediction) and
+        # `pipeline_doc_ids`.
+        self.chunk_tokens: list[Any] = []
         self.chunk_doc_ids: list[Any] = []
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def _set_chunk(self, fwd_chunk_id: int) -> None:
+        if fwd_chunk_id < len(self.chunk_tokens):
+            self.submod.pipeline_tokens = self.chunk_tokens[fwd_chunk_id]
         if fwd_chunk_id < len(self.chunk_doc_ids):
             self.submod.pipeline_doc_ids = self.chunk_doc_ids[fwd_chunk_id]
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._set_chunk(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,5 +159,7 @@ class PrecisionStage(PipelineStage):
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
         # the forward of torch's metadata inference (first step, and after each eval/train switch): not a
         # training forward, so MoE layers leave it out of their load statistics
+        # (on the first micro-batch's token and document ids, the shapes of every micro-batch's)
+        self._set_chunk(0)
         with self._autocast(), moe_stats_paused():
             return super()._compute_outputs(*args, module=module, **kwargs)

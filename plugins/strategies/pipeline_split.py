@@ -101,10 +101,12 @@ def split_model(model: nn.Module, ranges: Sequence[range], stage_indices: Sequen
     """Copies of `model` (meta or materialized) holding only the given stages' layers.
 
     Stage `s` keeps the blocks `ranges[s]` (ModuleDict keys unchanged), the first-stage modules only if
-    `s == 0` and the last-stage modules only if `s == len(ranges) - 1`; everything else is None. The
-    copy skips the dropped modules, so a rank never holds more than its stages' weights (beyond the
-    model it was given). Parameters shared by kept modules stay shared within a stage (a tied head on
-    a stage that also holds the embedding); across stages they become separate copies.
+    `s == 0` (or, for those the family names in `end_stage_copies`, if `s` is the last stage too) and the
+    last-stage modules only if `s == len(ranges) - 1`; everything else is None. The copy skips the dropped
+    modules, so a rank never holds more than its stages' weights (beyond the model it was given).
+    Parameters shared by kept modules stay shared within a stage (a tied head on a stage that also holds
+    the embedding); across stages they become separate copies (`pipeline_tied.TiedWeights` keeps the
+    first and the last stage's equal). Each stage's `pp_stage_index` says which stage it is.
     """
     num_stages = len(ranges)
     family = family_of(model)
@@ -113,14 +115,21 @@ def split_model(model: nn.Module, ranges: Sequence[range], stage_indices: Sequen
     if covered != list(range(len(layers))):
         raise ValueError(f"the stage ranges cover layers {covered}, not exactly the model's {len(layers)} layers")
     first_only, last_only = family.stage_only_modules(model)
+    copies = set(family.end_stage_copies(model))  # first-stage modules the last stage holds a copy of
+
+    def held(name: str, stage: int) -> bool:
+        last = stage == num_stages - 1
+        if name in first_only:
+            return stage == 0 or (last and name in copies)
+        return last
+
     stages = []
     for stage in stage_indices:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage index {stage} is out of range for {num_stages} stages")
         keep = {str(i) for i in ranges[stage]}
         dropped = [m for key, m in layers.items() if key not in keep]
-        dropped += [getattr(model, name) for name in first_only if stage != 0]
-        dropped += [getattr(model, name) for name in last_only if stage != num_stages - 1]
+        dropped += [getattr(model, name) for name in first_only + last_only if not held(name, stage)]
         # deepcopy consults its memo before copying: mapping a module to None makes the copy hold None
         # in its place without ever copying that module's weights.
         memo: dict[int, Any] = {id(m): None for m in dropped if m is not None}
@@ -128,7 +137,7 @@ def split_model(model: nn.Module, ranges: Sequence[range], stage_indices: Sequen
         for key in [k for k, m in family.blocks(part).items() if m is None]:
             family.set_block(part, key, None)
         for name in first_only + last_only:
-            if (name in first_only and stage != 0) or (name in last_only and stage != num_stages - 1):
+            if not held(name, stage):
                 setattr(part, name, None)
         part.pp_stage_index = stage  # read by materialize (per-stage init seed) and the tests
         stages.append(part)

@@ -1,9 +1,13 @@
-"""An output head tied to the input embedding (GPT) when the pipeline puts them on different stages.
+"""Weights both ends of the pipeline hold: an output head tied to the input embedding (GPT), and an
+embedding the last stage reads too (DeepSeek-V3's multi-token prediction), when the pipeline puts the two
+ends on different stages.
 
-The first stage holds the embedding, the last the head: two copies of one parameter. They start equal
-(a broadcast from the first stage), their gradients are summed after every step (each then holds the
-tied parameter's gradient) and they sit in the same optimizer group, so they receive identical updates
-and stay bitwise equal. The gradient norm counts the head's copy once (`is_mirror`).
+The family names them (`ModelFamily.shared_end_weights`): the first stage holds one copy (the embedding),
+the last another (the tied head, or its own embedding table). They start equal (a broadcast from the first
+stage), their gradients are summed after every step (each then holds the shared parameter's gradient: the
+sum of what the two ends' uses contribute) and they sit in the same optimizer group, so they receive
+identical updates and stay bitwise equal. The gradient norm counts the last stage's copy once
+(`is_mirror`).
 """
 
 from __future__ import annotations
@@ -25,21 +29,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class TiedWeights:
-    """This rank's copy of a tied embedding/head parameter and the group of the ranks holding the copies."""
+    """This rank's copies of the weights both pipeline ends hold and the group of the ranks holding them."""
 
     def __init__(self) -> None:
-        # The group joins this rank's first- and last-stage ranks; the parameter is this rank's copy
-        # (the head's copy on the last stage is the "mirror").
+        # The group joins this rank's first- and last-stage ranks; `params` are this rank's copies (on the
+        # last stage the "mirrors"), in the family's order, the same on both ends.
         self.group: dist.ProcessGroup | None = None
-        self.param: nn.Parameter | None = None
+        self.params: list[torch.Tensor] = []
         self._mirror = False
 
     def make_group(self, model: nn.Module, mesh: DeviceMesh, pp_size: int, last_stage_pp_rank: int) -> None:
-        """A process group per pipeline line joining the first- and last-stage ranks, when the (unsplit)
-        model ties its output head to its input embedding (new_group is collective: every rank creates
-        every pair)."""
-        embedding, head = family_of(model).tied_weights(model)
-        if embedding is None or head is not embedding:
+        """A process group per pipeline line joining the first- and last-stage ranks, when both ends of the
+        (unsplit) model hold a shared weight (new_group is collective: every rank creates every pair)."""
+        family = family_of(model)
+        first, last = family.shared_end_weights(model, last=False), family.shared_end_weights(model, last=True)
+        if not first or [id(w) for w in first] != [id(w) for w in last]:
             return
         names = list(mesh.mesh_dim_names or ())
         lines = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp_size)
@@ -49,46 +53,48 @@ class TiedWeights:
                 self.group = group
 
     def find(self, parts: Sequence[nn.Module], unwrap: Callable[[nn.Module], nn.Module], num_stages: int) -> None:
-        """Pick this rank's copy among its (wrapped) stage parts: the embedding on stage 0, the head on
-        the last stage."""
+        """Pick this rank's copies among its (wrapped) stage parts: the first stage's, or the last stage's."""
         if self.group is None:
             return
         for part in parts:
             module = unwrap(part)
             stage = getattr(module, "pp_stage_index", None)
-            embedding, head = family_of(module).tied_weights(module)
             if stage == 0:
-                self.param = embedding  # type: ignore[assignment]
+                self.params = family_of(module).shared_end_weights(module, last=False)
             elif stage == num_stages - 1:
-                self.param, self._mirror = head, True  # type: ignore[assignment]
+                self.params, self._mirror = family_of(module).shared_end_weights(module, last=True), True
 
     def broadcast_from_first_stage(self) -> None:
-        """Identical copies to start with (they differ only after a sharded init, which draws the head
-        separately): the first stage's embedding wins."""
-        if self.param is not None:
-            with torch.no_grad():
-                dist.broadcast(local_tensor(self.param.data), group=self.group, group_src=0)
+        """Identical copies to start with (they differ after a sharded init, which draws each stage's copy
+        from its own seed): the first stage's wins."""
+        with torch.no_grad():
+            for param in self.params:
+                dist.broadcast(local_tensor(param.data), group=self.group, group_src=0)
 
     def sum_grads(self) -> None:
-        """Sum the embedding's and the head's gradients: both copies get the tied parameter's gradient."""
-        if self.param is None or self.param.grad is None:
-            return
-        dist.all_reduce(local_tensor(self.param.grad), op=dist.ReduceOp.SUM, group=self.group)
+        """Sum the two ends' gradients: both copies get the shared parameter's gradient."""
+        for param in self.params:
+            if param.grad is not None:
+                dist.all_reduce(local_tensor(param.grad), op=dist.ReduceOp.SUM, group=self.group)
 
     def is_mirror(self, param: torch.Tensor) -> bool:
-        """Whether `param` is the head's copy, whose gradient duplicates the embedding's."""
-        return self._mirror and param is self.param
+        """Whether `param` is the last stage's copy, whose gradient duplicates the first stage's."""
+        return self._mirror and any(param is p for p in self.params)
 
     def optimizer_modules(self, model_parts: Sequence[nn.Module]) -> list[nn.Module]:
         """The modules whose parameters the optimizer groups are made from."""
-        if self._mirror and self.param is not None:
-            # The head copy is owned by a Linear here, which would put it in the weight-decay group; in the
-            # unsplit model it is the embedding table (no decay). An extra owner of embedding type keeps
-            # both copies in the same group, so they receive identical updates.
+        if not self._mirror:
+            return list(model_parts)
+        # A tied head's copy is owned by a Linear here, which would put it in the weight-decay group; on the
+        # first stage it is the embedding table (no decay). An extra owner of embedding type keeps both
+        # copies in the same group, so they receive identical updates (the shared weights are embedding
+        # tables: a tied head, an embedding copy, already in that group).
+        owners = []
+        for param in self.params:
             owner = nn.Embedding(1, 1, device="meta")
-            owner.weight = self.param
-            return [*model_parts, owner]
-        return list(model_parts)
+            owner.weight = param  # type: ignore[assignment]
+            owners.append(owner)
+        return [*model_parts, *owners]
 
     def release(self) -> None:
-        self.param = None
+        self.params = []

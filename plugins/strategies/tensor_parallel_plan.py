@@ -231,7 +231,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         # Stage boundaries of a pipeline carry full replicated hidden states (see the docstring): a later
         # stage slices its sequence shard locally (no communication) and a non-final stage all-gathers
         # its output sequence.
-        if ends.embedding is None:
+        if ends.hidden_states_in:
             parallelize_module(model, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
         if ends.head is None:

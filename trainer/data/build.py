@@ -6,6 +6,7 @@ from typing import Any
 
 from trainer.data.loader import SourceValidation, StatefulLoader, TokenWindows, TrainLoader, val_batches
 from trainer.data.mixture import DataSourceError, MixtureData, MixtureLoader
+from trainer.data.token_ids import ids_beyond
 
 __all__ = ["build_loaders", "check_data"]
 
@@ -44,10 +45,12 @@ def check_data(data_cfg: Any, model_vocab_size: int, seq_len: int | None = None)
     against the model, before any process starts.
 
     Sources that only a run reads (the stdlib corpus scans the interpreter's files) are left to the run.
+    Every token file's largest id is checked against the model's vocabulary (`trainer.data.token_ids`: a
+    scan cached beside the files).
 
     Raises:
         DataSourceError: a missing or unreadable source, a malformed index, bad weights, sources of
-            different vocabularies or EOS ids, a vocabulary larger than the model's.
+            different vocabularies or EOS ids, a vocabulary larger than the model's, a token id beyond it.
     """
     from hydra.utils import get_object
     from omegaconf import OmegaConf
@@ -74,10 +77,18 @@ def check_data(data_cfg: Any, model_vocab_size: int, seq_len: int | None = None)
     if data_cfg.get("document_masking", False) and source.eos_id is None:
         raise DataSourceError("data.document_masking", "the data has no end-of-document token (eos_id), so its "
                                                        "documents cannot be told apart: prepare it with --append-eos")
-    if seq_len is None:
-        return
     named = (list(zip(source.names, source.sources, [f"data.sources[{i}]" for i in range(len(source.names))]))
              if isinstance(source, MixtureData) else [("data", source, "data")])
+    for name, one, key in named:
+        for tokens in (one.train_tokens(), one.val_tokens()):
+            beyond = ids_beyond(tokens, model_vocab_size)
+            if beyond is not None:
+                raise DataSourceError(key, f"{beyond[0]} holds token id {beyond[1]}, beyond model.vocab_size="
+                                           f"{model_vocab_size} (the source says its vocabulary has {one.vocab_size} "
+                                           "ids): prepare the data again with its tokenizer, or pick a model whose "
+                                           "vocabulary covers it")
+    if seq_len is None:
+        return
     for name, one, key in named:
         for split, tokens in (("train", one.train_tokens()), ("validation", one.val_tokens())):
             if len(tokens) < seq_len + 1:

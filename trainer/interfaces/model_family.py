@@ -66,6 +66,9 @@ class StageModules:
     # every rank whose input and output are the residual stream.
     residual_norms: tuple[str, ...] = ()
     residual_linears: tuple[str, ...] = ()
+    # Whether the stage's input is the previous stage's hidden states (every pipeline stage but the first,
+    # whatever copies of first-stage modules it holds), not token ids.
+    hidden_states_in: bool = False
 
 
 class ModelFamily:
@@ -110,6 +113,13 @@ class ModelFamily:
         """The model's (or stage's) top-level modules by role."""
         raise NotImplementedError
 
+    def end_stage_copies(self, model: nn.Module) -> tuple[str, ...]:
+        """Names among the first stage's modules (`stage_only_modules`) that the last pipeline stage holds a
+        copy of too (DeepSeek-V3's embedding, which its multi-token prediction reads): the pipeline keeps the
+        copies equal (`shared_end_weights`). None by default."""
+        del model
+        return ()
+
     def tensor_parallel_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The blocks tensor parallelism splits (each by `block_split`): the pipeline's blocks, plus blocks
         outside them (DeepSeek-V3's multi-token-prediction blocks)."""
@@ -119,6 +129,16 @@ class ModelFamily:
         """(embedding weight, head weight) this model or stage holds (None for the one it lacks); for the
         whole model the two are the same tensor when the family ties them."""
         raise NotImplementedError
+
+    def shared_end_weights(self, model: nn.Module, *, last: bool) -> list[torch.Tensor]:
+        """The parameters of which the first and the last pipeline stage each hold a copy, as the first
+        (`last=False`) or the last stage (`last=True`) holds them, in matching order: an output head tied to
+        the embedding (the first stage's embedding table, the last stage's head), the parameters of
+        `end_stage_copies`. The pipeline broadcasts them from the first stage at setup and sums their
+        gradients over the two stages. On the whole model both calls give the same tensors; empty when the
+        ends share nothing (the default)."""
+        del model, last
+        return []
 
     # ---- tensor parallelism ---------------------------------------------------------------------------
     def block_split(self, block: nn.Module) -> BlockSplit:
@@ -158,6 +178,15 @@ class ModelFamily:
     def after_optimizer_step(self, model_parts: Sequence[nn.Module], state: Any) -> None:
         """After an optimizer step that updated the weights (not a skipped one): e.g. router bias updates."""
         del model_parts, state
+
+    def sum_statistics_over_stages(self, model_parts: Sequence[nn.Module],
+                                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Under pipeline parallelism, on every pp rank after each training step's schedule (before
+        `step_statistics`): statistics that one stage accumulates for the whole model (DeepSeek-V3's MTP
+        losses, on the last stage) summed over the stages, so that every rank, the logging one included,
+        reports them. `all_reduce_sum` returns a tensor's sum over the pp ranks (a collective: every rank
+        calls it alike). Nothing by default."""
+        del model_parts, all_reduce_sum
 
     # ---- planner ------------------------------------------------------------------------------------
     def parameter_inventory(self, config: Any) -> ModelInventory:

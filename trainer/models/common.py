@@ -120,6 +120,10 @@ class CausalLM(nn.Module):
     # Under pipeline parallelism and document masking: the document ids of the micro-batch a stage runs
     # (set by the pipeline for each micro-batch, as a stage receives only hidden states).
     pipeline_doc_ids: Optional[torch.Tensor] = None
+    # Under pipeline parallelism: the token ids of the micro-batch a stage runs (set by the pipeline for each
+    # micro-batch on every stage), for the models whose later stages read them (DeepSeek-V3's last stage: its
+    # multi-token prediction embeds and predicts them).
+    pipeline_tokens: Optional[torch.Tensor] = None
 
     def document_positions(self, doc_ids: torch.Tensor) -> torch.Tensor:
         """`[B, S_local]` position of this rank's tokens in their documents, from the whole sequence's ids."""

@@ -60,12 +60,24 @@ class DecoderFamily(ModelFamily):
         def held(name: str) -> Optional[str]:
             return name if getattr(model, name, None) is not None else None
 
+        later_stage = getattr(model, "pp_stage_index", 0) > 0  # set by the pipeline's split
         return StageModules(embedding=held("tok_embeddings"), positions=held("pos_embeddings"), final_norm=held("norm"),
-                            head=held("output"))
+                            head=held("output"), hidden_states_in=later_stage or held("tok_embeddings") is None)
 
     def tied_weights(self, model: nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
         return (None if embedding is None else embedding.weight, None if output is None else output.weight)
+
+    def shared_end_weights(self, model: nn.Module, *, last: bool) -> list[torch.Tensor]:
+        weights: list[Optional[torch.Tensor]] = []
+        if getattr(model.config, "tie_embeddings", False):  # the first stage's embedding is the last's head
+            embedding, head = self.tied_weights(model)
+            weights.append(head if last else embedding)
+        for name in self.end_stage_copies(model):
+            module = getattr(model, name, None)
+            weights += [] if module is None else list(module.parameters())
+        unique: dict[int, torch.Tensor] = {id(w): w for w in weights if w is not None}
+        return list(unique.values())
 
     def expert_layers(self, model_parts: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
         return list(moe_layers(model_parts))

@@ -208,8 +208,9 @@ def block_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list
 def rank_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[tuple[ParamSpec, int]]:
     """(parameter, copies) held by a pipeline rank: its blocks' parameters and the first/last-stage ones.
 
-    A tied output head on a different stage than the embedding is a separate copy there (the pipeline
-    strategy keeps the two in sync).
+    A tied output head on a different stage than the embedding is a separate copy there, and so is the
+    embedding the multi-token-prediction modules read on the last stage (the pipeline strategy keeps the
+    copies in sync).
     """
     part = rank_part(inv, layout, pp_rank)
     specs = block_param_specs(inv, layout, pp_rank)
@@ -219,6 +220,8 @@ def rank_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[
         specs += [(p, 1) for p in (*inv.head, *inv.mtp)]
         if inv.tied_head is not None and not part.first:
             specs.append((inv.tied_head, 1))
+        if inv.mtp_blocks and not part.first:
+            specs += [(p, 1) for p in inv.embedding]
     return specs
 
 

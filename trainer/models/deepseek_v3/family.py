@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
+import torch
 import torch.nn as nn
 
 from trainer.interfaces.inventory import ModelInventory
@@ -12,7 +13,7 @@ from trainer.interfaces.model_family import BlockSplit, StageModules
 from trainer.models.decoder import DecoderFamily, pre_norm_block_split
 from trainer.models.deepseek_v3 import planner
 from trainer.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
-from trainer.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Config
+from trainer.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Config, MTPLosses
 
 
 class DeepSeekV3Family(DecoderFamily):
@@ -34,14 +35,31 @@ class DeepSeekV3Family(DecoderFamily):
 
     def tensor_parallel_blocks(self, model: nn.Module) -> list[nn.Module]:
         # the multi-token-prediction blocks split as the main ones (their input is the residual stream too)
-        return [*super().tensor_parallel_blocks(model), *(depth.block for depth in model.mtp.values())]  # type: ignore[union-attr]
+        # (a pipeline stage other than the last holds none)
+        depths = model.mtp.values() if model.mtp is not None else ()  # type: ignore[union-attr]
+        return [*super().tensor_parallel_blocks(model), *(depth.block for depth in depths)]
 
     def stage_modules(self, model: nn.Module) -> StageModules:
         ends = super().stage_modules(model)
-        depths = [f"mtp.{key}" for key in model.mtp.keys()]  # type: ignore[union-attr]
+        depths = [f"mtp.{key}" for key in (model.mtp.keys() if model.mtp is not None else ())]  # type: ignore[union-attr]
         return dataclasses.replace(
             ends, residual_norms=tuple(f"{d}.{norm}" for d in depths for norm in ("enorm", "hnorm", "norm")),
             residual_linears=tuple(f"{d}.eh_proj" for d in depths))
+
+    def end_stage_copies(self, model: nn.Module) -> tuple[str, ...]:
+        # multi-token prediction embeds the shifted tokens on the last stage: it holds a copy of the embedding
+        return ("tok_embeddings",) if model.config.mtp_depth else ()  # type: ignore[union-attr]
+
+    def sum_statistics_over_stages(self, model_parts: Sequence[nn.Module],
+                                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        # every stage holds an `MTPLosses` (the same number on every pp rank); the last stage's records the losses
+        holders = [module for part in model_parts for module in part.modules() if isinstance(module, MTPLosses)]
+        if not holders or not holders[0].depth:
+            return
+        mine = torch.tensor([holder.totals() for holder in holders], dtype=torch.float64).sum(0)
+        total = all_reduce_sum(mine).tolist()
+        for holder in holders:  # each copy reports the step's losses
+            holder.set_totals(total)
 
     def tensor_parallel_sizes(self, config: DeepSeekV3Config) -> list[tuple[str, int, str]]:
         return [("model.n_heads", config.n_heads, "attention heads"),
@@ -51,19 +69,14 @@ class DeepSeekV3Family(DecoderFamily):
     def unsupported_parallelism(self, config: DeepSeekV3Config, *, tp: int, pp: int,
                                 cp: int) -> Optional[tuple[str, str]]:
         """Data-parallel strategies need nothing from a family; expert parallelism splits every DeepSeekMoE
-        (the MTP module's too) and tensor parallelism follows `block_split`. Pipeline and context
-        parallelism are not built for this family."""
-        del tp
-        why = {
-            "pp": "pipeline parallelism cannot split DeepSeek-V3 yet (its MTP module needs the embedding and "
-                  "the main model's last hidden states on one stage)",
-            "cp": "context parallelism is not built for DeepSeek-V3 (MLA's attention core and MTP's shifted "
-                  "tokens across sequence shards)",
-        }
-        for key, size in (("pp", pp), ("cp", cp)):
-            if size > 1:
-                return key, (f"{key}={size} with model {config.name}: {why[key]} (DeepSeek-V3 runs with "
-                             "strategy=single, ddp, zero1, zero2, zero3, fsdp or tp, and ep)")
+        (the MTP module's too), tensor parallelism follows `block_split`, and the pipeline puts the MTP
+        module on the last stage with a copy of the embedding (`end_stage_copies`). Context parallelism is
+        not built for this family."""
+        del tp, pp
+        if cp > 1:
+            return "cp", (f"cp={cp} with model {config.name}: context parallelism is not built for DeepSeek-V3 "
+                          "(MLA's attention core and MTP's shifted tokens across sequence shards) (DeepSeek-V3 "
+                          "runs with strategy=single, ddp, zero1, zero2, zero3, fsdp, tp, pp or 3d, and ep)")
         return None
 
     def parameter_inventory(self, config: DeepSeekV3Config) -> ModelInventory:

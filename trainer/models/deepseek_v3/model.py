@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from trainer.loss import cross_entropy_loss
+from trainer.models import moe as moe_module
 from trainer.models.common import (CausalLM, matmul_params, module_device, require_divisible, require_positive,
                                    unique_numel)
 from trainer.models.deepseek_v3.mla import MultiHeadLatentAttention, compute_mla_rope_cache, softmax_scale
@@ -258,34 +259,53 @@ class MTPModule(nn.Module):
         self.block.init_weights(std)
 
 
-class MultiTokenPrediction(nn.ModuleDict, StepStatistics):
+class MultiTokenPrediction(nn.ModuleDict):
     """The D MTP depths, keyed by their layer index in DeepSeek's numbering (n_layers, n_layers + 1, ...:
-    the MoE statistics of their blocks are logged under those keys), and the step's MTP losses."""
+    the MoE statistics of their blocks are logged under those keys)."""
 
     def __init__(self, config: DeepSeekV3Config) -> None:
         super().__init__({str(config.n_layers + k): MTPModule(config) for k in range(config.mtp_depth)})
+
+
+class MTPLosses(nn.Module, StepStatistics):
+    """The step's MTP losses (`mtp/loss`, `mtp/loss/<k>`). No weights: every pipeline stage holds one, the
+    stage with the MTP module records into it, and the pipeline sums the accumulations over the stages after
+    each step (`DeepSeekV3Family.sum_statistics_over_stages`), so that the logging rank reports them."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
         self.reset_losses()
 
     def reset_losses(self) -> None:
-        self.loss_sums = [0.0] * len(self)
+        self.loss_sums = [0.0] * self.depth
         self.loss_calls = 0
 
     def record(self, losses: list[torch.Tensor]) -> None:
         """Add one training forward's per-depth losses (skipped inside autograd's backward: an
-        activation-checkpointing recompute repeats a forward already counted)."""
-        if torch._C._current_graph_task_id() != -1:
+        activation-checkpointing recompute repeats a forward already counted; and in a pipeline's metadata
+        inference, `moe_stats_paused`)."""
+        if torch._C._current_graph_task_id() != -1 or moe_module._STATS_PAUSED:
             return
         for depth, loss in enumerate(losses):
             self.loss_sums[depth] += float(loss.detach())
         self.loss_calls += 1
 
+    def totals(self) -> list[float]:
+        """What `read_stats` averages: the per-depth loss sums and the number of forwards."""
+        return [*self.loss_sums, float(self.loss_calls)]
+
+    def set_totals(self, totals: list[float]) -> None:
+        *self.loss_sums, calls = totals
+        self.loss_calls = int(calls)
+
     def stat_names(self) -> list[str]:
-        if not len(self):
+        if not self.depth:
             return []
-        return ["mtp/loss", *(f"mtp/loss/{k}" for k in range(1, len(self) + 1))]
+        return ["mtp/loss", *(f"mtp/loss/{k}" for k in range(1, self.depth + 1))]
 
     def read_stats(self) -> list[float]:
-        if not len(self):
+        if not self.depth:
             return []
         calls = max(self.loss_calls, 1)
         per_depth = [total / calls for total in self.loss_sums]
@@ -295,18 +315,28 @@ class MultiTokenPrediction(nn.ModuleDict, StepStatistics):
 
 class DeepSeekV3(CausalLM):
     """DeepSeek-V3 returning the main model's logits ``[B, S, vocab_size]``; in training forwards the MTP
-    loss reaches the gradients through the logits (see the module docstring)."""
+    loss reaches the gradients through the logits (see the module docstring).
+
+    A pipeline stage (`pp_stage_index`, set by the split) holds its blocks; the first stage the embedding,
+    the last the final norm, the head and the MTP module, and a copy of the embedding, which MTP reads
+    (`DeepSeekV3Family.end_stage_copies`: the pipeline keeps the two copies equal). A later stage takes
+    hidden states; the last reads its micro-batch's token ids from `pipeline_tokens`."""
+
+    last_stage_modules: tuple[str, ...] = ("norm", "output", "mtp")
+    # This model's pipeline stage (0: the first stage, or the whole model); set by the pipeline split.
+    pp_stage_index: int = 0
 
     def __init__(self, config: DeepSeekV3Config) -> None:
         super().__init__()
         config.validate()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict(
             {str(i): DeepSeekV3Block(config, moe=config.is_moe_layer(i)) for i in range(config.n_layers)})
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.mtp = MultiTokenPrediction(config)
+        self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.mtp: Optional[MultiTokenPrediction] = MultiTokenPrediction(config)
+        self.mtp_losses = MTPLosses(config.mtp_depth)
         # Derived from the config, so kept out of checkpoints; empty on the meta device until init_weights.
         self.register_buffer("rope_cache", self._compute_rope_cache(None), persistent=False)
 
@@ -337,7 +367,8 @@ class DeepSeekV3(CausalLM):
     # ---- forward -------------------------------------------------------------------------------------
     def hidden_states(self, tokens: torch.Tensor,
                       doc_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token embeddings, final normalised hidden states), both ``[B, S, dim]``."""
+        """(token embeddings, final normalised hidden states), both ``[B, S, dim]`` (the whole model)."""
+        assert self.tok_embeddings is not None and self.norm is not None
         embeddings = self.tok_embeddings(tokens)
         rope_cache = self._rope(tokens.shape[1], doc_ids)
         h = embeddings
@@ -352,7 +383,7 @@ class DeepSeekV3(CausalLM):
         seq_len = embeddings.shape[1]
         outputs: list[torch.Tensor] = []
         previous = hidden
-        for depth, module in enumerate(self.mtp.values(), start=1):
+        for depth, module in enumerate(self._mtp_depths(), start=1):
             length = seq_len - depth - 1
             if length <= 0:
                 break
@@ -364,17 +395,38 @@ class DeepSeekV3(CausalLM):
     def mtp_logits(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Each MTP depth's logits through the shared head (depth k: ``[B, S - k - 1, vocab]``)."""
         embeddings, hidden = self.hidden_states(tokens, doc_ids)
+        assert self.output is not None
         return [self.output(h) for h in self.mtp_hidden_states(embeddings, hidden, doc_ids)]
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Token ids ``[B, S]`` (``doc_ids`` ``[B, S]``: attention within documents, positions restarting)."""
-        embeddings, hidden = self.hidden_states(tokens, doc_ids)
+        """Token ids ``[B, S]`` (``doc_ids`` ``[B, S]``: attention within documents, positions restarting), or
+        hidden states ``[B, S, dim]`` on a later pipeline stage, which returns hidden states unless it is the
+        last; a stage reads its micro-batch's document ids from ``pipeline_doc_ids`` and, on the last stage,
+        its token ids (what MTP embeds and predicts) from ``pipeline_tokens``."""
+        doc_ids = self.pipeline_doc_ids if doc_ids is None else doc_ids
+        embeddings: Optional[torch.Tensor] = None
+        if self.pp_stage_index == 0:  # the first stage (or the whole model): token ids in
+            assert self.tok_embeddings is not None
+            embeddings = self.tok_embeddings(tokens)
+            h = embeddings
+        else:
+            h, tokens = tokens, self.pipeline_tokens  # type: ignore[assignment]
+        rope_cache = self._rope(h.shape[1], doc_ids)
+        for layer in self.layers.values():
+            h = layer(h, rope_cache, doc_ids)
+        if self.output is None:  # not the last stage
+            return h
+        assert self.norm is not None
+        hidden = self.norm(h)
         logits = self.output(hidden)
-        if len(self.mtp) and self.training and torch.is_grad_enabled():
+        if self.mtp is not None and len(self.mtp) and self.training and torch.is_grad_enabled():
+            if embeddings is None:  # the last stage's copy of the embedding
+                assert self.tok_embeddings is not None and tokens is not None, "the last stage needs pipeline_tokens"
+                embeddings = self.tok_embeddings(tokens)
             losses = [cross_entropy_loss(self.output(h), tokens[:, depth + 1:depth + 1 + h.shape[1]])
                       for depth, h in enumerate(self.mtp_hidden_states(embeddings, hidden, doc_ids), start=1)]
             if losses:
-                self.mtp.record(losses)
+                self.mtp_losses.record(losses)
                 weighted = self.config.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
                 logits = _AttachAuxLoss.apply(logits, weighted)
         return logits
@@ -384,6 +436,10 @@ class DeepSeekV3(CausalLM):
         """Width of the attention output (``n_heads * v_head_dim``, what wo reads)."""
         return self.config.n_heads * self.config.v_head_dim
 
+    def _mtp_depths(self) -> list[MTPModule]:
+        """The MTP depths this model (or pipeline stage: the last one holds them) holds."""
+        return [] if self.mtp is None else list(self.mtp.values())  # type: ignore[arg-type]
+
     def _counts_mtp(self, include_mtp: Optional[bool]) -> bool:
         return self.config.count_mtp_params if include_mtp is None else include_mtp
 
@@ -391,10 +447,10 @@ class DeepSeekV3(CausalLM):
         """Parameters held; the MTP modules only with ``include_mtp`` (default: ``config.count_mtp_params``,
         off: the published 671B). The embedding and head the MTP shares count once."""
         excluded: set[int] = set()
-        if exclude_embeddings:
+        if exclude_embeddings and self.tok_embeddings is not None:
             excluded |= {id(p) for p in self.tok_embeddings.parameters()}
         if not self._counts_mtp(include_mtp):
-            excluded |= {id(p) for p in self.mtp.parameters()}
+            excluded |= {id(p) for depth in self._mtp_depths() for p in depth.parameters()}
         return unique_numel(p for p in self.parameters() if id(p) not in excluded)
 
     @staticmethod
@@ -413,15 +469,16 @@ class DeepSeekV3(CausalLM):
         include = self._counts_mtp(include_mtp)
         inactive = self._inactive_experts(self.layers.modules())
         if include:
-            inactive += self._inactive_experts(self.mtp.modules())
+            inactive += sum(self._inactive_experts(depth.modules()) for depth in self._mtp_depths())
         return self.num_params(include_mtp=include) - inactive
 
     def num_matmul_params(self) -> int:
         """Weights one token multiplies with in a training forward: every Linear of the main model (routers
         included), top_k of n_experts routed experts, and per MTP depth its own matmuls plus the shared
         output head once more."""
-        main = matmul_params(self.layers) + self.output.weight.numel()
-        mtp = sum(matmul_params(module) + self.output.weight.numel() for module in self.mtp.values())
+        head = 0 if self.output is None else self.output.weight.numel()
+        main = matmul_params(self.layers) + head
+        mtp = sum(matmul_params(module) + head for module in self._mtp_depths())
         return main + mtp
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -435,7 +492,7 @@ class DeepSeekV3(CausalLM):
         the full sequence length (they run on S - k - 1 positions). Elementwise work is ignored."""
         require_positive(seq_len, "seq_len")
         cfg = self.config
-        blocks = len(self.layers) + len(self.mtp)
+        blocks = len(self.layers) + len(self._mtp_depths())
         return 6 * self.num_matmul_params() + 6 * blocks * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
 
     # ---- init ----------------------------------------------------------------------------------------
@@ -443,14 +500,17 @@ class DeepSeekV3(CausalLM):
         """(Re)initialize every weight from torch's global RNG (normal(0, init_std), norms 1, selection
         biases 0) and the RoPE table; works after ``to_empty``, in a fixed draw order."""
         std = self.config.init_std
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        if self.tok_embeddings is not None:  # a pipeline stage inits what it holds
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for layer in self.layers.values():
             layer.init_weights(std)
-        self.norm.reset_parameters()
-        nn.init.normal_(self.output.weight, mean=0.0, std=std)
-        for module in self.mtp.values():
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        for module in self._mtp_depths():
             module.init_weights(std)
-        self.mtp.reset_losses()
+        self.mtp_losses.reset_losses()
         device = module_device(self) if buffer_device is None else torch.device(buffer_device)
         with torch.no_grad():
             self.rope_cache = self._compute_rope_cache(device)
