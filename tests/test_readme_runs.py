@@ -102,9 +102,9 @@ ELSEWHERE = {
     "python -m trainer model=qwen3_moe_tiny strategy=tp tp=2 trainer.devices=2":
         ("tests/test_qwen3.py::test_every_strategy_matches_one_process",
          ['("qwen3_moe_tiny", "tp2", ["strategy=tp", "tp=2"])', '"trainer.devices=2"']),
-    "python -m trainer model=qwen3_tiny strategy=3d tp=2 pp=2 trainer.devices=8 trainer.micro_batch_size=4":
-        ("tests/test_three_d.py::test_3d_matches_single_process",
-         ['QWEN3, QWEN3_MOE = ["model=qwen3_tiny"]', '"strategy=3d", "tp=2", "pp=2", "trainer.devices=8"',
+    "python -m trainer model=qwen3_tiny strategy=3d tp=2 pp=2 trainer.devices=4 trainer.micro_batch_size=4":
+        ("tests/test_qwen3.py::test_every_strategy_matches_one_process",
+         ['("qwen3_tiny", "3d_tp2_pp2", ["strategy=3d", "tp=2", "pp=2"])', '"trainer.devices=4"',
           '"trainer.micro_batch_size=4"']),
     "python -m trainer model=deepseek_v3_tiny strategy=tp tp=2 trainer.devices=2":
         ("tests/test_deepseek_v3.py::test_data_parallel_strategies_reproduce_the_single_process_run",

@@ -4,11 +4,13 @@ Before Hydra takes over, the overrides are composed and validated once here, so 
 or value, an unreadable data or checkpoint path or a run directory that cannot be written is one line on
 stderr with exit status 2 and no traceback (set TRAINER_FULL_ERROR=1 for it), before any process is started
 or any data is read. Then the memory preflight (trainer/planner/preflight.py) compares the planner's
-estimate with this machine's free memory: one line and exit status 3 when the run cannot fit.
+estimate with this machine's free memory: one line and exit status 3 when the run cannot fit. A named
+run directory is locked for the run (trainer/run_lock.py): a second run there is one line, exit status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -211,21 +213,40 @@ def hydra_app(cfg: DictConfig) -> float | None:
 def main() -> None:
     register_configs()
     args = sys.argv[1:]
-    # Flags (--multirun, --help, --cfg, -cn...) change what Hydra composes: leave those to Hydra.
-    if not any(arg.startswith("-") for arg in args):
-        cfg = preflight(args)
-        if cfg.mode == "plan" and not cfg.plan.calibrate:  # a report, nothing runs: no run directory, no Hydra app
-            from trainer.planner.report import run as run_plan
+    with contextlib.ExitStack() as held:  # the run directory's lock, until the job ends
+        # Flags (--multirun, --help, --cfg, -cn...) change what Hydra composes: leave those to Hydra.
+        if not any(arg.startswith("-") for arg in args):
+            cfg = preflight(args)
+            if cfg.mode == "plan" and not cfg.plan.calibrate:  # a report, nothing runs: no run directory, no Hydra app
+                from trainer.planner.report import run as run_plan
 
-            sys.exit(run_plan(cfg, args))
-        check_run_dir(args)
-        try:
-            check_memory(cfg)
-        except DoesNotFitError as error:
-            if _full_errors():
-                raise
-            _fail(str(error), EXIT_DOES_NOT_FIT)
-    hydra_app()
+                sys.exit(run_plan(cfg, args))
+            check_run_dir(args)
+            try:
+                check_memory(cfg)
+            except DoesNotFitError as error:
+                if _full_errors():
+                    raise
+                _fail(str(error), EXIT_DOES_NOT_FIT)
+            locked = locked_run_dir(args)
+            if locked is not None:  # before Hydra writes anything into it
+                from trainer.run_lock import run_directory_lock
+
+                try:
+                    held.enter_context(run_directory_lock(locked))
+                except ConfigError as error:
+                    _fail(str(error))
+        hydra_app()
+
+
+def locked_run_dir(overrides: list[str]) -> Path | None:
+    """The run directory this process locks (`trainer/run_lock.py`): a `hydra.run.dir` the user named without
+    interpolations (the default `outputs/<date>/<time>` is new each time), by the process that runs the job or
+    launches its workers (rank 0 of an external torchrun or srun launch)."""
+    value = _override_value(overrides, "hydra.run.dir")
+    if value is None or "${" in value or os.environ.get("RANK", "0") != "0":
+        return None
+    return Path(value).expanduser().absolute()
 
 
 if __name__ == "__main__":

@@ -135,6 +135,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def counts_statistics() -> bool:
+    """Whether a forward running now is one whose training statistics count: not inside `moe_stats_paused`
+    (a pipeline's metadata inference) nor an activation-checkpointing recompute in a backward."""
+    return not _STATS_PAUSED and not _in_backward()
+
+
 @dataclass
 class ExpertParallel:
     """This rank's expert-parallel group: `size` ranks, each holding n_experts / size experts."""

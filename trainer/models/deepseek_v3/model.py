@@ -42,13 +42,12 @@ import torch
 from torch import nn
 
 from trainer.loss import cross_entropy_loss
-from trainer.models import moe as moe_module
 from trainer.models.common import (CausalLM, matmul_params, module_device, require_divisible, require_positive,
                                    unique_numel)
 from trainer.models.deepseek_v3.mla import MultiHeadLatentAttention, compute_mla_rope_cache, softmax_scale
 from trainer.models.deepseek_v3.moe import DeepSeekMoE
 from trainer.models.llama import FeedForward
-from trainer.models.moe import MoE, StepStatistics, _AttachAuxLoss
+from trainer.models.moe import MoE, StepStatistics, _AttachAuxLoss, counts_statistics
 
 
 @dataclass
@@ -285,7 +284,7 @@ class MTPLosses(nn.Module, StepStatistics):
         """Add one training forward's per-depth losses (skipped inside autograd's backward: an
         activation-checkpointing recompute repeats a forward already counted; and in a pipeline's metadata
         inference, `moe_stats_paused`)."""
-        if torch._C._current_graph_task_id() != -1 or moe_module._STATS_PAUSED:
+        if not counts_statistics():
             return
         for depth, loss in enumerate(losses):
             self.loss_sums[depth] += float(loss.detach())
