@@ -6,6 +6,7 @@ stderr with exit status 2 and no traceback (set TRAINER_FULL_ERROR=1 for it), be
 or any data is read. Then the memory preflight (trainer/planner/preflight.py) compares the planner's
 estimate with this machine's free memory: one line and exit status 3 when the run cannot fit. A named
 run directory is locked for the run (trainer/run_lock.py): a second run there is one line, exit status 2.
+A run that diverges (trainer.loop.TrainingDiverged) ends with one line, exit status 4, status.json `diverged`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trainer.config import (CONF_DIR, ConfigError, DoesNotFitError, compose, des
 log = logging.getLogger("trainer")
 EXIT_CONFIG_ERROR = 2
 EXIT_DOES_NOT_FIT = 3
+EXIT_DIVERGED = 4  # the loss or gradients went non-finite for trainer.max_nonfinite_steps steps, or the stabilizer gave up
 # The run directory Hydra makes when `hydra.run.dir` is not given (conf/config.yaml), up to its first
 # interpolation: what must be writable.
 DEFAULT_RUN_ROOT = "outputs"
@@ -175,6 +177,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
 
     from trainer.checkpoint.manifest import CheckpointError
     from trainer.launch import describe_failure
+    from trainer.loop import TrainingDiverged
     from trainer.sweep import error_line, wandb_group, write_status
 
     hydra_cfg = HydraConfig.get()
@@ -187,11 +190,12 @@ def hydra_app(cfg: DictConfig) -> float | None:
         summary = run_job(cfg, run_dir)
     except Exception as error:  # noqa: BLE001 - every failure of a job is recorded the same way
         message = describe_failure(error) if isinstance(error, ChildFailedError) else error_line(error)
+        diverged = isinstance(error, TrainingDiverged) or "TrainingDiverged" in message
         if writes_status:
-            write_status(run_dir, "failed", message)
+            write_status(run_dir, "diverged" if diverged else "failed", message)
         if in_sweep:  # the sweep goes on with the next job
-            log.error(f"job failed: {message}", exc_info=not isinstance(
-                error, (ConfigError, DoesNotFitError, CheckpointError, ChildFailedError)))
+            log.error(f"job {'diverged' if diverged else 'failed'}: {message}", exc_info=not isinstance(
+                error, (ConfigError, DoesNotFitError, CheckpointError, ChildFailedError, TrainingDiverged)))
             return None
         if isinstance(error, (ConfigError, DoesNotFitError, CheckpointError)):  # found once data/checkpoints are read
             if _full_errors():
@@ -199,6 +203,10 @@ def hydra_app(cfg: DictConfig) -> float | None:
             # a damaged or mismatched checkpoint is a bad input like a bad path: one line, exit 2
             _fail(str(error).splitlines()[0] if str(error).strip() else type(error).__name__,
                   EXIT_DOES_NOT_FIT if isinstance(error, DoesNotFitError) else EXIT_CONFIG_ERROR)
+        if diverged:  # a run's outcome, not a bug: one line, its own status
+            if _full_errors():
+                raise
+            _fail(str(error).splitlines()[0] if isinstance(error, TrainingDiverged) else message, EXIT_DIVERGED)
         if isinstance(error, ChildFailedError):
             log.error(f"error: {message}")
             sys.exit(1)
@@ -228,7 +236,7 @@ def main() -> None:
                 if _full_errors():
                     raise
                 _fail(str(error), EXIT_DOES_NOT_FIT)
-            locked = locked_run_dir(args)
+            locked = locked_run_dir(args, cfg)
             if locked is not None:  # before Hydra writes anything into it
                 from trainer.run_lock import run_directory_lock
 
@@ -239,12 +247,17 @@ def main() -> None:
         hydra_app()
 
 
-def locked_run_dir(overrides: list[str]) -> Path | None:
+def locked_run_dir(overrides: list[str], cfg: DictConfig) -> Path | None:
     """The run directory this process locks (`trainer/run_lock.py`): a `hydra.run.dir` the user named without
     interpolations (the default `outputs/<date>/<time>` is new each time), by the process that runs the job or
-    launches its workers (rank 0 of an external torchrun or srun launch)."""
+    launches its workers (rank 0 of an external torchrun or srun launch). Not for a run over several nodes
+    started by `python -m trainer` on each: they share the directory and learn which is node 0 only at the
+    rendezvous."""
+    from trainer.environment import distributed_environment
+
     value = _override_value(overrides, "hydra.run.dir")
-    if value is None or "${" in value or os.environ.get("RANK", "0") != "0":
+    rank = os.environ.get("SLURM_PROCID" if distributed_environment() == "slurm" else "RANK", "0")
+    if value is None or "${" in value or rank != "0" or int(cfg.trainer.num_nodes) > 1:
         return None
     return Path(value).expanduser().absolute()
 

@@ -31,6 +31,11 @@ log = logging.getLogger("trainer")
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+class TrainingDiverged(RuntimeError):
+    """The run stopped because training diverged: `trainer.max_nonfinite_steps` steps in a row with a
+    non-finite gradient norm, or the loss-spike stabilizer gave up (exit status 4, status.json `diverged`)."""
+
+
 class Trainer:
     """Runs optimizer steps until max_steps/max_tokens, validating and logging on the way."""
 
@@ -94,6 +99,7 @@ class Trainer:
         # veto flag, and the wall time of each phase (data, forward_backward, optimizer).
         self.step_outputs: dict[str, Any] = {}
         self.skip_step = False
+        self.nonfinite_steps = 0  # consecutive steps with a non-finite gradient norm (never applied)
         self.step_timings: dict[str, float] = {}
         # Set by a callback (the checkpoint manager after a SIGTERM) to end fit() after this step.
         self.should_stop = False
@@ -196,6 +202,9 @@ class Trainer:
         # fp16: unscale, check for inf/nan on every rank and agree whether this step is skipped.
         self.strategy.unscale_gradients(self.optimizer, self.model_parts)
         grad_norm = self.strategy.clip_grad_norm(self.model_parts, self.config.grad_clip)
+        # A non-finite gradient norm (the same on every rank: NaN or Inf anywhere reaches it) is never applied,
+        # whatever the callbacks decide; a loss scaler's overflow skips are its own. One host sync a step.
+        nonfinite = not self.precision.skips_nonfinite_steps and not math.isfinite(float(grad_norm))
         # What the model family accumulated over the step (an MoE's aux loss and expert loads), averaged
         # over the data-parallel ranks (one small all-reduce; nothing for a dense model), before the
         # callbacks see the step.
@@ -207,7 +216,7 @@ class Trainer:
             self.step_outputs["moe"] = moe_metrics
         self.skip_step = False
         self._call("on_before_optimizer_step", self.optimizer)
-        stepped = not self.skip_step and self.strategy.optimizer_step(self.optimizer)
+        stepped = not self.skip_step and not nonfinite and self.strategy.optimizer_step(self.optimizer)
         if stepped:
             # A skipped update (fp16 overflow, a callback's veto) is no optimizer step: the schedule
             # stays where it is and the state report waits for an update that created the states.
@@ -219,6 +228,7 @@ class Trainer:
                 self.state_bytes = state_bytes(self.model_parts, self.optimizer, stand_ins)
                 log.info(f"state held per rank: {describe_state_bytes(self.state_bytes)}")
         self.strategy.zero_grad(self.model_parts, self.optimizer)
+        self._count_nonfinite(nonfinite, loss, grad_norm)
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
@@ -232,6 +242,24 @@ class Trainer:
         if self.step % self.config.log_every == 0 or self.step == self.total_steps:
             self.log_step(outputs)
         self._call("on_train_batch_end", outputs)
+
+    def _count_nonfinite(self, nonfinite: bool, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Say so for a skipped non-finite step; stop the run after `max_nonfinite_steps` in a row."""
+        if not nonfinite:
+            self.nonfinite_steps = 0
+            return
+        self.nonfinite_steps += 1
+        step, limit = self.step + 1, self.config.max_nonfinite_steps
+        if self.is_global_zero:
+            log.warning(f"step {step}: gradient norm {float(grad_norm):g}, loss {float(loss):g} (this rank's): the "
+                        f"update is skipped ({self.nonfinite_steps} such step(s) in a row"
+                        + (f"; the run stops at {limit})" if limit else ")"))
+        if limit and self.nonfinite_steps >= limit:
+            raise TrainingDiverged(f"training diverged: the gradient norm was not finite for {self.nonfinite_steps} "
+                                   f"steps in a row (steps {step - self.nonfinite_steps + 1}-{step}; "
+                                   f"trainer.max_nonfinite_steps={limit}); no update of those steps was applied "
+                                   "and the last checkpoint holds finite weights: lower the learning rate or resume "
+                                   "from an earlier checkpoint")
 
     def validate(self) -> float:
         per_source: dict[str, float] = {}

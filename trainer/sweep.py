@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 STATUS_FILE = "status.json"
 SUMMARY_CSV = "summary.csv"
-STATUSES = ("ok", "failed", "skipped_unfit", "incomplete")
+STATUSES = ("ok", "failed", "diverged", "skipped_unfit", "incomplete")
 MIB = 2**20
 
 

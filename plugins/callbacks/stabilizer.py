@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.loop import TrainingDiverged  # noqa: F401 - raised here, re-exported
 from trainer.callback import Callback, CheckpointProvider, Providers, Requirement
 
 if TYPE_CHECKING:
@@ -68,10 +69,6 @@ ROLLBACK_NEEDS: Requirement[CheckpointProvider] = Requirement(
     reason="actions include rollback, which restores the latest checkpoint",
     remedy="add the checkpoint manager (callbacks=[default,stabilizer,checkpoint]) or drop rollback from "
            "callbacks.stabilizer.actions")
-
-
-class TrainingDiverged(RuntimeError):
-    """The stabilizer gave up: too many loss spikes or non-finite steps, or the `abort` action."""
 
 
 @dataclass

@@ -56,6 +56,11 @@ class TrainerConfig:
     throughput_warmup_steps: int = 2
     # Clip the global gradient norm to this value (0 disables clipping; the norm is logged anyway).
     grad_clip: float = 1.0
+    # A step whose global gradient norm is NaN or Inf (a NaN or Inf loss gives one) is never applied; after
+    # this many such steps in a row the run stops as diverged (exit status 4, status.json `diverged`).
+    # 0: never stop (the steps are still skipped). With fp16's loss scaler, overflowing gradients are the
+    # scaler's routine skips and are not counted.
+    max_nonfinite_steps: int = 3
     # torch.compile each transformer block.
     compile: bool = False
     # auto (CUDA if present, else CPU), cpu or cuda.

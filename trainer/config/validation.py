@@ -56,6 +56,8 @@ def _validate_trainer(t: DictConfig) -> None:
              f"must be >= 0 (0: no warm-up left out), got {t.throughput_warmup_steps}")
     _require(t.val_every >= 0, "trainer.val_every", f"must be >= 0 (0: validate only at the end), got {t.val_every}")
     _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    _require(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps",
+             f"must be >= 0 (0: skip non-finite steps without ever stopping), got {t.max_nonfinite_steps}")
     _require(t.accelerator in ACCELERATORS, "trainer.accelerator",
              f"'{t.accelerator}' is not one of {', '.join(ACCELERATORS)}")
     _require(t.num_threads is None or t.num_threads >= 1, "trainer.num_threads",
