@@ -6,7 +6,9 @@ family whose modules are named otherwise is split, checkpointed and tensor-paral
 from __future__ import annotations
 
 import ast
+import inspect
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -102,7 +104,7 @@ def test_every_registered_family_declares_the_whole_contract() -> None:
 
 
 def _raises_not_implemented(function: object) -> bool:
-    source = ast.parse(__import__("textwrap").dedent(__import__("inspect").getsource(function)))
+    source = ast.parse(textwrap.dedent(inspect.getsource(function)))
     return any(isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node) for node in ast.walk(source))
 
 
