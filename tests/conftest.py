@@ -12,6 +12,7 @@ import torch
 # launcher's rendezvous):
 # they run last, after the shared launches have ended (their fixtures call POOL.wait_all()).
 QUIET_MODULES = ("test_hang.py", "test_launch.py")
+SLOWEST_RUNS_SHOWN = 25
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,6 +62,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if POOL.timings:
         terminalreporter.section("shared launches and jobs (tests/launch_pool.py)")
         for label, seconds in sorted(POOL.timings, key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {label}")
+    if POOL.run_timings:
+        slowest = sorted(POOL.run_timings, key=lambda item: -item[1])[:SLOWEST_RUNS_SHOWN]
+        terminalreporter.section(f"the {len(slowest)} slowest of the launches' {len(POOL.run_timings)} runs")
+        for label, seconds in slowest:
             terminalreporter.write_line(f"{seconds:7.1f} s  {label}")
 
 

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     configure_worker_logging(rank, out)
     for run, count in zip(spec["runs"], counted, strict=True):
+        started = time.perf_counter()
         run_dir = Path(run["dir"]) if "dir" in run else out / run["name"]
         cfg = composed(run["overrides"])
         first_record = next_record_id() if count else 0  # after the config's broadcast: the run's own calls
@@ -78,6 +80,8 @@ def main() -> None:
         if run_log is not None:
             logging.getLogger().removeHandler(run_log)
             run_log.close()
+        if rank == 0:  # the run's whole cost in the launch, for the session's summary (tests/conftest.py)
+            (run_dir / "seconds.txt").write_text(f"{time.perf_counter() - started:.2f}\n")
     dist.destroy_process_group()
 
 

@@ -84,6 +84,7 @@ class LaunchPool:
         self.jobs: dict[str, Job] = {}
         # (what ran, seconds from its start to its end) per launch and job: the session's summary prints them
         self.timings: list[tuple[str, float]] = []
+        self.run_timings: list[tuple[str, float]] = []  # the same per run of a launch (the harness's seconds.txt)
 
     def directory(self, module: str) -> Path:
         """Where a module's runs write: `<root>/<module>/np<world>/<name>`."""
@@ -240,6 +241,10 @@ class LaunchPool:
             self._run_pending(world, stage, pending)
         finally:
             self.timings.append((label, time.perf_counter() - started))
+            for batch, run in pending:
+                seconds = Path(run["dir"]) / "seconds.txt"
+                if seconds.exists():
+                    self.run_timings.append((f"np{world} {batch.module}/{run['name']}", float(seconds.read_text())))
 
     def _run_pending(self, world: int, stage: int, pending: list[tuple[Batch, dict[str, Any]]]) -> None:
         attempt = 0
