@@ -1,5 +1,6 @@
 """Context parallelism (`cp=N`, trainer/models/context_parallel.py): the sequence layouts, the ring kernel's
-gradient, the planner's accounting, and, in three gloo launches (2, 4 and 8 processes), parity with the
+gradient (also with keys and values of different widths and a softmax scale of the caller's: MLA's), the
+planner's accounting, and, in three gloo launches (2, 4 and 8 processes), parity with the
 single-process run for both methods, both model families and cp composed with every other dimension,
 exact resume under cp=2 and a cp=2 checkpoint resumed under cp=1 and under tp x dp. The 2-process launch
 also runs document masking under tp, cp (both methods) and pp."""
@@ -79,6 +80,33 @@ def test_ring_attention_equals_causal_attention_forward_and_backward(world_of_on
     want = torch.autograd.grad(expected, (q, k, v), grad)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_ring_attention_with_a_value_width_and_softmax_scale_of_its_own(world_of_one: ContextParallel,
+                                                                        documents: bool) -> None:
+    """MLA's shapes (DeepSeek-V3): keys of width 24 and values of width 12 travel together, the output has
+    the values' width, and the softmax scale is the caller's (0.37, not 24^-0.5): SDPA's output and
+    gradients, grouped-query, with and without document masks."""
+    from trainer.models.documents import document_mask
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 24, requires_grad=True)
+    k = torch.randn(2, 2, 16, 24, requires_grad=True)
+    v = torch.randn(2, 2, 16, 12, requires_grad=True)
+    grad = torch.randn(2, 4, 16, 12)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if documents else None
+    out = world_of_one.attention(q, k, v, local_attention=None, doc_ids=doc_ids, scale=0.37)  # type: ignore[arg-type]
+    mask = document_mask(doc_ids, doc_ids) if doc_ids is not None else None
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=0.37,
+                                              enable_gqa=True)
+    assert out.shape == (2, 4, 16, 12)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    # (the first query sees itself alone: its gradient is 0, which the two kernels round up to 1.9e-6 apart)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_ring_attention_gradient_with_dropout_passes_gradcheck(world_of_one: ContextParallel) -> None:

@@ -2,7 +2,8 @@
 MTP outputs as its MtpModel (through our exported checkpoint), HF export/import round trips and init_from,
 exact parameter counts of the 671B model against transformers' on the meta device, FLOPs, the planner,
 DeepSeekMoE routing against transformers' router, the sequence-wise balance loss, the MTP loss's gradient,
-MLA's latent cache, the auxiliary-loss-free bias moving in a run, and the parallel layouts it refuses."""
+MLA's latent cache, the auxiliary-loss-free bias moving in a run, and every parallel layout (dp, ep, tp, pp,
+3d, cp under both methods) against the single process."""
 
 from __future__ import annotations
 
@@ -332,6 +333,29 @@ def test_the_plan_prints_the_exact_counts(count_mtp: bool) -> None:
     assert ("682.636 B parameters" if count_mtp else "671.026 B parameters, 37.552 B active per token") in text
 
 
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_the_planner_counts_mla_widths_and_the_mtp_block_in_the_cp_traffic(method: str) -> None:
+    """cp=2: the ring's K/V blocks carry keys of width qk_head_dim (48) and values of v_head_dim (32) for the
+    4 heads, all_to_all exchanges q and k (48), v and the output (32); the MTP block attends across the
+    ranks as the 3 main blocks do (no checkpointing: one forward and one backward each)."""
+    from trainer.planner import plan
+
+    cfg = compose(["model=deepseek_v3_tiny", "strategy=ddp", "trainer.devices=2", "cp=2", f"cp_method={method}",
+                   "trainer.seq_len=256", "trainer.micro_batch_size=8", "trainer.global_batch_size=16",
+                   "precision=fp32", "mode=plan"])
+    result = plan(cfg, exact=False, search=False)
+    traffic = [c for c in result.communication if c["dimension"] == "cp"]
+    tokens, microbatches, blocks, width = 128 * 8, 2, 3 + 1, 4 * (48 + 32)
+    if method == "ring":  # one hop of 2 ranks per block and pass, then the fp32 gradients' 2 hops
+        assert [c["count"] for c in traffic] == [microbatches * 2 * blocks, microbatches * 2 * blocks]
+        assert traffic[0]["payload_bytes"] == microbatches * 2 * blocks * tokens * width * 4
+        assert traffic[1]["payload_bytes"] == microbatches * 2 * blocks * tokens * width * 4
+    else:  # q, k, v and the output, forward and backward
+        (a2a,) = traffic
+        assert a2a["count"] == 4 * microbatches * 2 * blocks
+        assert a2a["payload_bytes"] == microbatches * 2 * blocks * tokens * 2 * width * 4
+
+
 def test_the_planner_splits_dense_and_moe_blocks_over_pipeline_stages() -> None:
     """With blocks of two kinds, a pipeline rank holds the dense ones only when its layer range has them
     (the planner's own layout arithmetic); the last stage holds the MTP module and a copy of the embedding."""
@@ -388,6 +412,8 @@ def test_the_mtp_loss_is_counted_and_logged_once_per_forward() -> None:
     metrics, loads = collect_moe_stats([model], lambda t: t)
     assert metrics["mtp/loss"] == pytest.approx(expected, rel=1e-5) == metrics["mtp/loss/1"]
     assert len(loads) == 3 and "moe/max_load/3" in metrics  # layers 1, 2 and the MTP block (key 3)
+    # two forwards of 2 x 20 tokens, top-2: the MTP block counts its 18 positions with a target, not its padding
+    assert [float(load.sum()) for load in loads] == [2 * 2 * 20 * 2] * 2 + [2 * 2 * 18 * 2]
     assert collect_moe_stats([model], lambda t: t)[0]["mtp/loss"] == 0.0  # cleared when read
 
 
@@ -459,13 +485,78 @@ def test_tiny_trains_moves_the_selection_biases_and_logs_the_mtp_loss(tmp_path: 
         assert steps.abs().max() <= 8
 
 
-def test_parallel_layouts_without_a_plan_are_refused() -> None:
-    with pytest.raises(ConfigError, match="cp=2 with model deepseek_v3_tiny") as error:
-        validate(compose(["model=deepseek_v3_tiny", "trainer.devices=2", "strategy=ddp", "cp=2"]))
-    assert error.value.key == "cp"
-    # dp, ep, tp and pp are fine
-    for fine in (["strategy=ddp"], ["strategy=zero3", "ep=2"], ["strategy=tp", "tp=2"], ["strategy=pp", "pp=2"]):
+def test_every_parallel_layout_validates_and_cp_refuses_only_what_its_layout_cannot_cut() -> None:
+    """dp, ep, tp, pp and cp under both methods pass validation (`unsupported_parallelism` refuses nothing);
+    what cp still refuses is its methods' own limits, as for every family: all_to_all needs the 4 heads
+    divisible by tp x cp, the ring a sequence of 2 x cp chunks."""
+    for fine in (["strategy=ddp"], ["strategy=zero3", "ep=2"], ["strategy=tp", "tp=2"], ["strategy=pp", "pp=2"],
+                 ["strategy=ddp", "cp=2"], ["strategy=ddp", "cp=2", "cp_method=all_to_all"],
+                 ["strategy=zero3", "cp=2", "ep=2"]):
         validate(compose(["model=deepseek_v3_tiny", "trainer.devices=2", *fine]))
+    with pytest.raises(ConfigError, match="model.n_heads=4 is not divisible by tp x cp = 1 x 8") as error:
+        validate(compose(["model=deepseek_v3_tiny", "trainer.devices=8", "strategy=ddp", "cp=8",
+                          "cp_method=all_to_all"]))
+    assert error.value.key == "cp"
+    with pytest.raises(ConfigError, match="cannot be cut into 2 x cp = 8 chunks") as error:
+        validate(compose(["model=deepseek_v3_tiny", "trainer.devices=4", "strategy=ddp", "cp=4",
+                          "trainer.seq_len=36"]))
+    assert error.value.key == "trainer.seq_len"
+
+
+def test_under_cp_rope_and_the_mtp_tokens_are_this_ranks_part_of_the_whole_sequence() -> None:
+    """With each sequence split over 2 ranks (ring layout: chunks r and 3 - r of 4): a rank's RoPE rows are
+    those of its tokens' global positions, its MTP depth-k inputs and targets its part of the whole
+    sequence's shifted ones (t_{i+k}, and t_{i+k+1} with the last k + 1 ignored), and the length checked
+    against max_seq_len is the whole sequence's."""
+    from trainer.loss import IGNORE_INDEX
+    from trainer.models.context_parallel import ContextParallel, shard_sequence
+
+    model = trained_looking(tiny(mtp_depth=2))
+    tokens = torch.arange(1, 2 * 16 + 1).view(2, 16)
+    whole = {depth: model.mtp_tokens(tokens, depth) for depth in (1, 2)}
+    inputs, targets = whole[2]
+    assert inputs[0].tolist() == [*range(3, 17), 0, 0] and targets[0].tolist() == [*range(4, 17), *[IGNORE_INDEX] * 3]
+    for rank in (0, 1):
+        model.context_parallel = ContextParallel(None, rank, 2, "ring")  # type: ignore[arg-type]
+        positions = shard_sequence(torch.arange(16)[None], rank, 2, True)[0]
+        assert torch.equal(model._rope(8, None), model.rope_cache[positions])
+        for depth, (inputs, targets) in whole.items():
+            mine = model.mtp_tokens(tokens, depth)
+            assert torch.equal(mine[0], shard_sequence(inputs, rank, 2, True))
+            assert torch.equal(mine[1], shard_sequence(targets, rank, 2, True))
+        with pytest.raises(ValueError, match="sequence length 66 exceeds max_seq_len 64"):
+            model._rope(33, None)
+
+
+@pytest.mark.parametrize("layer", ["deepseek", "switch"])
+def test_padding_is_left_out_of_the_routing_statistics_and_the_balance_loss(layer: str) -> None:
+    """`counted`: an MoE layer run on sequences of 10 whose last 3 tokens are padding counts, logs and
+    trains exactly what it does on the 7-token sequences alone (loads, the balance loss and its gradient,
+    the z statistic), and its outputs at the counted positions are those: DeepSeekMoE with its sequence-wise
+    loss, and the base layer's batch-wise (Switch) loss."""
+    from trainer.models.moe import MoE
+
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        moe = (DeepSeekMoE(16, 8, 4, 2, shared_experts=None, n_group=1, topk_group=1, norm_topk_prob=True,
+                           routed_scaling_factor=1.0, bias_update_rate=0.001, seq_aux_loss_coef=0.1)
+               if layer == "deepseek" else MoE(16, 8, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01))
+        moe.init_weights(0.5, 0.5)
+        layers.append(moe.train())
+    padded, alone = layers
+    x = torch.randn(3, 10, 16)
+    counted = (torch.arange(10) < 7).expand(3, -1)
+    with aux_loss_grad_scale_set(1.0):
+        out = padded(x, counted=counted)
+        out[:, :7].sum().backward()
+        expected = alone(x[:, :7])
+        expected.sum().backward()
+    torch.testing.assert_close(out[:, :7], expected)
+    assert torch.equal(padded.stat_tokens, alone.stat_tokens) and float(alone.stat_tokens.sum()) == 3 * 7 * 2
+    assert padded.stat_aux == pytest.approx(alone.stat_aux, rel=1e-6)
+    assert padded.stat_z == pytest.approx(alone.stat_z, rel=1e-6)
+    torch.testing.assert_close(padded.router.weight.grad, alone.router.weight.grad, atol=1e-7, rtol=1e-5)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -488,15 +579,44 @@ TENSOR_PARALLEL = {"tp2": ["strategy=tp", "tp=2"]}
 # blocks 0-1 on the first stage, block 2, the head and the MTP module on the last, which holds a copy of the
 # embedding (broadcast from the first stage, gradients summed) and gets the token ids of each micro-batch
 PIPELINE_PARALLEL = {"pp2": ["strategy=pp", "pp=2"]}
-MODEL_PARALLEL = {**TENSOR_PARALLEL, **PIPELINE_PARALLEL}
+# each sequence split over 2 ranks (trainer.seq_len=32 divides by 2 x cp): MLA's core attention across them
+# (ring: keys of width 24 and values of width 16 travel round together, MLA's softmax scale; all_to_all: 2 of
+# the 4 heads per rank), RoPE at the global positions, the MTP depth on this rank's part of the whole
+# sequence's shifted tokens, the routing statistics (the logged sequence-wise balance loss) of whole sequences
+CONTEXT_PARALLEL = {"cp2_ring": ["strategy=ddp", "cp=2"],
+                    "cp2_all_to_all": ["strategy=ddp", "cp=2", "cp_method=all_to_all"]}
+MODEL_PARALLEL = {**TENSOR_PARALLEL, **PIPELINE_PARALLEL, **CONTEXT_PARALLEL}
 _PARALLEL_RUN = [a for a in RUN if not a.startswith(("trainer.micro_batch_size", "trainer.num_threads"))] + [
     "trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.num_threads=1"]
 _LAYOUTS = {**{strategy: [f"strategy={strategy}"] for strategy in DATA_PARALLEL}, **EXPERT_PARALLEL, **MODEL_PARALLEL}
+# Packed documents (tests/test_documents.py's: 3 to 40 tokens) kept apart, the sequence-wise balance loss
+# trained (alpha 0.1), two MTP depths and YaRN (MLA's softmax scale then differs from qk_head_dim^-0.5),
+# under cp=2 (both methods) against one process with the same options
+_DOCUMENTS = POOL.directory("deepseek_v3") / "documents"
+_DOCUMENT_RUN = [a for a in _PARALLEL_RUN if not a.startswith("data.")] + [
+    "data=token_file", f"data.path={_DOCUMENTS}", "data.document_masking=true", "model.seq_aux_loss_coef=0.1",
+    "model.mtp_depth=2", "model.yarn_factor=4.0", "model.yarn_original_max_seq_len=16",
+    "model.yarn_mscale_all_dim=0.8"]
+DOCUMENTS_CONTEXT_PARALLEL = {"docs_seq_aux_cp2_ring": ["strategy=ddp", "cp=2"],
+                              "docs_seq_aux_cp2_all_to_all": ["strategy=ddp", "cp=2", "cp_method=all_to_all"]}
+
+
+def _write_documents() -> None:
+    from tests.test_documents import write_documents
+
+    if not _DOCUMENTS.exists():
+        write_documents(_DOCUMENTS)
+
+
 POOL.add("deepseek_v3", 2, [{"name": name, "overrides": [*layout, "trainer.devices=2", *_PARALLEL_RUN]}
-                            for name, layout in _LAYOUTS.items()])
-# both splits at once (sequence parallel: the last stage, which holds an embedding copy, still takes hidden
-# states), in the shared 4-process launch
-THREE_D = {"3d_tp2_pp2": ["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", "trainer.devices=4"]}
+                            for name, layout in _LAYOUTS.items()]
+         + [{"name": name, "overrides": [*layout, "trainer.devices=2", *_DOCUMENT_RUN]}
+            for name, layout in DOCUMENTS_CONTEXT_PARALLEL.items()], prepare=_write_documents)
+# in the shared 4-process launch: both splits at once (sequence parallel: the last stage, which holds an
+# embedding copy, still takes hidden states), and cp=2 x pp=2 (the last stage gathers its micro-batch's token
+# ids over the cp ranks for the MTP depth)
+THREE_D = {"3d_tp2_pp2": ["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", "trainer.devices=4"],
+           "cp2_pp2": ["strategy=pp", "pp=2", "cp=2", "trainer.devices=4"]}
 POOL.add("deepseek_v3", 4, [{"name": name, "overrides": [*layout, *_PARALLEL_RUN]} for name, layout in THREE_D.items()])
 
 
@@ -510,7 +630,13 @@ def test_data_parallel_strategies_reproduce_the_single_process_run(tmp_path: Pat
     ddp's) and pp=2 under 1f1b (the MTP module on the last stage with its copy of the embedding:
     losses equal, grad norms 1.8e-7 and mtp/loss 4.8e-8 relative, weights 1.4e-7 from ddp's; without the
     sum of the two embedding copies' gradients 9 of the 12 values differ, without the MTP losses' sum over
-    the stages rank 0 logs mtp/loss 0). 3d tp=2 x pp=2 (zero1, 4 processes) the same way."""
+    the stages rank 0 logs mtp/loss 0). 3d tp=2 x pp=2 (zero1, 4 processes) the same way. cp=2 under both
+    methods the same way (ring: grad norms 7.3e-8, mtp/loss 3.6e-8 relative, weights 4.1e-6 from ddp's;
+    all_to_all: 7.8e-8, 4.6e-8, 2.8e-6; cp=2 x pp=2 on 4 processes: 1.2e-7, 4.6e-8, 4.1e-6; losses
+    equal), and the cp=2 runs' logged sequence-wise balance loss and loads are the single process's (2.8e-8
+    and 3.8e-8 relative; loads equal): without the balance loss's sum over the cp ranks it is off by 1e-3 to
+    6e-3. (The tiny config's softmax scale is qk_head_dim^-0.5, the ring's default: the YaRN runs of the
+    next test check that the ring uses MLA's own.)"""
     from trainer.run import build_trainer
 
     launched = POOL.ensure(2, "deepseek_v3") / "np2"
@@ -519,13 +645,17 @@ def test_data_parallel_strategies_reproduce_the_single_process_run(tmp_path: Pat
     rows = {}
     runs = {"single": tmp_path / "single", **{n: launched / n for n in _LAYOUTS}, **{n: launched_4 / n for n in THREE_D}}
     for name, run_dir in runs.items():
-        with open(run_dir / "metrics.csv") as f:
-            rows[name] = [float(r[key]) for r in csv.DictReader(f) if r.get("train_loss")
-                          for key in ("train_loss", "grad_norm", "mtp/loss")]
+        rows[name] = _metric_rows(run_dir, ("train_loss", "grad_norm", "mtp/loss"))
     assert len(rows["single"]) == 3 * 4
     for name in (*_LAYOUTS, *THREE_D):
         model_parallel = name in MODEL_PARALLEL or name in THREE_D
         assert rows[name] == pytest.approx(rows["single"], rel=1e-4 if model_parallel else 1e-5), name
+    # every layer's routing statistics, as the single process logs them: under pp, the stages' rows shared;
+    # under cp, those of whole sequences (per-shard ones would log another sequence-wise balance loss;
+    # padding counted in the MTP block's loads would move its max load)
+    routing = ("moe/aux_loss", "moe/max_load/1", "moe/max_load/2", "moe/max_load/3")
+    for name in (*_LAYOUTS, *THREE_D):
+        assert _metric_rows(runs[name], routing) == pytest.approx(_metric_rows(runs["single"], routing), rel=1e-4), name
     reference = torch.load(launched / "ddp" / "weights.pt", weights_only=True)
     biases = [key for key in reference if key.endswith("expert_bias")]
     assert biases == ["layers.1.feed_forward.expert_bias", "layers.2.feed_forward.expert_bias",
@@ -535,12 +665,53 @@ def test_data_parallel_strategies_reproduce_the_single_process_run(tmp_path: Pat
     held = {name: float(re.search(r"state held per rank: params ([\d.]+) MiB",
                                   (launched / name / "train.log").read_text()).group(1)) for name in ("ddp", "ep2_ddp")}
     assert held["ep2_ddp"] < 0.8 * held["ddp"], held
-    for name in (*EXPERT_PARALLEL, *MODEL_PARALLEL, *THREE_D):
+    for name in (*EXPERT_PARALLEL, *MODEL_PARALLEL, *THREE_D):  # (cp: RoPE at the global positions)
         weights = torch.load(runs[name] / "weights.pt", weights_only=True)
         assert weights.keys() == reference.keys(), name
         for key, value in reference.items():
             torch.testing.assert_close(weights[key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
         assert all(torch.equal(weights[key], reference[key]) for key in biases), name
+
+
+def _metric_rows(run_dir: Path, keys: tuple[str, ...]) -> list[float]:
+    """`keys`' values of every training step of a run's metrics.csv, step after step."""
+    with open(run_dir / "metrics.csv") as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get("train_loss") for key in keys]
+
+
+@pytest.mark.slow
+def test_context_parallel_with_documents_and_the_sequence_wise_balance_loss(tmp_path: Path) -> None:
+    """cp=2 under both methods with document masking (the ring's document masks over MLA's widths, RoPE
+    positions restarting at each document), YaRN (MLA's softmax scale, which the ring must use), the
+    sequence-wise balance loss trained (its per-sequence statistics summed over the cp ranks, each rank's
+    affinities getting their share of the gradient) and two MTP depths (each on this rank's part of the
+    whole sequence's shifted tokens, the padding past the window's end left out of the routing
+    statistics): the single process's losses, gradient norms, MTP and balance losses and loads within the
+    model-parallel 1e-4 (measured 1.9e-7 at most), its selection biases exactly, and its weights within
+    1e-4, as tests/test_context_parallel.py allows (measured 7.2e-6 ring, 6.5e-6 all_to_all; without YaRN
+    the ring's were 7.7e-6 but for 2 of the 16,384 elements of one expert's w3, 3.6e-5 apart: Adam's
+    m / sqrt(v) amplifies the rounding of a gradient element near 0, and with SGD every weight agreed
+    within 7.5e-9). With the ring's default scale (qk_head_dim^-0.5) instead of MLA's, the ring run's
+    losses are 1.9e-4 off, its gradient norms 6.0e-3, its weights 1.2e-2."""
+    from trainer.run import build_trainer
+
+    launched = POOL.ensure(2, "deepseek_v3") / "np2"
+    single = build_trainer(compose(_DOCUMENT_RUN), tmp_path / "single")
+    single.fit()
+    reference = single.strategy.full_state_dict(single.model_parts)
+    keys = ("train_loss", "grad_norm", "mtp/loss", "mtp/loss/1", "mtp/loss/2", "moe/aux_loss", "moe/max_load/1",
+            "moe/max_load/2", "moe/max_load/3", "moe/max_load/4")
+    expected = _metric_rows(tmp_path / "single", keys)
+    assert len(expected) == 4 * len(keys)
+    for name in DOCUMENTS_CONTEXT_PARALLEL:
+        assert _metric_rows(launched / name, keys) == pytest.approx(expected, rel=1e-4), name
+        weights = torch.load(launched / name / "weights.pt", weights_only=True)
+        assert weights.keys() == reference.keys(), name
+        for key, value in reference.items():
+            if key.endswith("expert_bias"):
+                assert torch.equal(weights[key], value) and value.abs().max() > 0, f"{name}: {key}"
+            else:
+                torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
 
 
 @pytest.mark.parametrize("q_lora_rank", [64, None])
@@ -591,9 +762,10 @@ def test_the_planner_counts_the_multi_token_prediction_modules_activations() -> 
     """The MTP module runs outside the checkpointed blocks and computes its loss in the forward: under full
     activation checkpointing it keeps all its block saves, its norms and the fp32 log-probabilities of its
     head (`mtp_saved_tensors`). What the model with mtp_depth=1 saves beyond the same model without it, fp32
-    on the CPU: measured 2,528,280 bytes, estimated 2,644,176 (+4.6%: the MTP block is estimated as an MoE
-    block over the whole sequence's routing shapes, scaled to its 61 of 64 positions); 6% allowed. Before the
-    MTP terms the estimate counted none of it (-100%); before the MoE layer's dispatch terms, -11.0%."""
+    on the CPU: measured 2,680,992 bytes, estimated 2,729,472 (+1.8%; the depth runs on all 64 positions,
+    the last 2 padding); 6% allowed. (When the depth ran on its 62 positions with a target: measured
+    2,528,280, estimated +4.6%, an MoE block's shapes scaled to 61 of 64 positions.) Before the MTP terms
+    the estimate counted none of it (-100%); before the MoE layer's dispatch terms, -11.0%."""
     from hydra.utils import instantiate
 
     from trainer.loss import cross_entropy_loss

@@ -392,25 +392,111 @@ def test_activation_checkpointing_gives_the_same_gradients(policy: str) -> None:
 PIPELINE = ["strategy=pp", "pp=2", "trainer.devices=2", "trainer.micro_batch_size=4"]
 
 
-@pytest.mark.parametrize(("overrides", "key", "message"), [
-    (["model=qwen3_moe_tiny", *PIPELINE], "pp", "balance loss pools every MoE layer"),
-    (["model=qwen3_moe_tiny", "model.mlp_only_layers=[0]"], "model.mlp_only_layers", "trainer.preflight=false"),
-])
-def test_validation_refuses_what_qwen3_cannot_do_yet(overrides: list[str], key: str, message: str) -> None:
-    cfg = compose(["model=qwen3_tiny", *overrides])
-    with pytest.raises(ConfigError, match=message) as error:
-        validate(cfg)
-    assert str(error.value).startswith(key)
-    # the mixed layout itself trains once the planner's memory check is off; the MoE pipelines without the
-    # pooled loss
-    fix = "trainer.preflight=false" if key == "model.mlp_only_layers" else "model.router_aux_loss_coef=0"
-    validate(compose(["model=qwen3_tiny", *overrides, fix]))
+def test_validation_refuses_what_qwen3_cannot_do_yet() -> None:
+    overrides = ["model=qwen3_moe_tiny", "model.mlp_only_layers=[0]"]
+    with pytest.raises(ConfigError, match="trainer.preflight=false") as error:
+        validate(compose(overrides))
+    assert str(error.value).startswith("model.mlp_only_layers")
+    # the mixed layout itself trains once the planner's memory check is off
+    validate(compose([*overrides, "trainer.preflight=false"]))
 
 
+@pytest.mark.parametrize("model", ["qwen3_tiny", "qwen3_moe_tiny"])
 @pytest.mark.parametrize("overrides", [["strategy=tp", "tp=2", "trainer.devices=2"], PIPELINE,
+                                       [*PIPELINE, "strategy.schedule=zero_bubble", "strategy.virtual_stages=2"],
                                        ["strategy=ddp", "cp=2", "trainer.devices=2"]])
-def test_tensor_pipeline_and_context_parallelism_accept_qwen3(overrides: list[str]) -> None:
-    validate(compose(["model=qwen3_tiny", *overrides]))
+def test_tensor_pipeline_and_context_parallelism_accept_qwen3(model: str, overrides: list[str]) -> None:
+    """Qwen3-MoE with its pooled balance loss on (qwen3_moe_tiny: coefficient 0.01) included."""
+    cfg = compose([f"model={model}", *overrides])
+    assert model == "qwen3_tiny" or cfg.model.router_aux_loss_coef > 0
+    validate(cfg)
+
+
+@pytest.fixture
+def group_of_one() -> Any:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_pipeline_stages_train_the_pooled_balance_loss_as_one_process(group_of_one: Any, schedule: str) -> None:
+    """torch's looped schedules with 4 stages on one rank (the stage code of a multi-rank pipeline; adjacent
+    stages hand their outputs over in memory instead of sending them): one layer per stage, layer 1 dense,
+    4 micro-batches run interleaved. Each stage passes the pooled balance statistics of the layers up to its
+    own on beside the hidden states and the last stage sends the whole model's back as their gradient, so
+    every stage's backward (zero_bubble: split into input- and weight-gradient passes) pools over all
+    three MoE layers: every gradient equals the single process's over the same micro-batches (measured:
+    bitwise; with each stage's own layers only, the routers' gradients are off by up to 40% of their
+    largest value and the other weights' by up to 19%), and every stage's pool ends with the whole model's
+    counts. Each stage, given the others' MoE statistics rows (as the pipeline's all-reduce over pp does),
+    reports the single process's `moe/*` metrics of all layers."""
+    import copy
+    import contextlib
+
+    from trainer.models import family_of
+    from trainer.models.moe import aux_loss_grad_scale_set
+    from trainer.plugins.strategies.pipeline_schedule import SCHEDULES, PrecisionStage
+    from trainer.plugins.strategies.pipeline_split import split_model, stage_layer_ranges
+
+    config = Qwen3Config(**dict(TINY, **MOE, n_layers=4))
+    assert config.sparse_layers == [0, 2, 3]
+    model = trained_looking(config).train()
+    reference = copy.deepcopy(model)
+    micro, rows = 4, 2
+    tokens = torch.randint(0, 256, (micro * rows, 16), generator=torch.Generator().manual_seed(7))
+    targets = torch.randint(0, 256, (micro * rows, 16), generator=torch.Generator().manual_seed(8))
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten()) / micro
+
+    pools = []
+    with aux_loss_grad_scale_set(1.0 / micro):  # what the pipeline sets around its schedule
+        for m in range(micro):
+            batch = slice(m * rows, (m + 1) * rows)
+            loss_fn(reference(tokens[batch]), targets[batch]).backward()
+            pools.append(reference.last_balance)
+        parts = split_model(model, stage_layer_ranges(4, 4), [0, 1, 2, 3])
+        stages = [PrecisionStage(part, index, 4, torch.device("cpu"), group=group_of_one,
+                                 autocast=contextlib.nullcontext, family=family_of(model))
+                  for index, part in enumerate(parts)]
+        pipeline = SCHEDULES[schedule](stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
+        pipeline.step(tokens, target=targets)
+
+    grads = {name: p.grad for part in parts for name, p in part.named_parameters()}
+    expected = dict(reference.named_parameters())
+    assert grads.keys() == expected.keys()
+    for name, param in expected.items():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-9, msg=name)
+    for part in parts:  # the last micro-batch's pool on every stage: complete, after its backward
+        pool = part.last_balance
+        assert pool.layers == 3 and torch.equal(pool.counts, pools[-1].counts)
+        if part.moe_layers():  # (the dense stage's pool has no routed tokens of its own to divide by)
+            torch.testing.assert_close(pool.value(), pools[-1].value(), rtol=1e-6, atol=0)
+
+    # the step's MoE statistics shared over the stages as if each were a rank of its own (the all-reduce over
+    # pp: the sum of every stage's table): each stage then logs every layer, as the single process does
+    family = family_of(model)
+    tables: list[torch.Tensor] = []
+
+    def keep(table: torch.Tensor) -> torch.Tensor:
+        tables.append(table)
+        return table
+
+    for part in parts:
+        family.sum_statistics_over_stages([part], keep)
+    for part in parts:
+        family.sum_statistics_over_stages([part], lambda table: sum(tables))
+    expected_metrics, _ = family.step_statistics([reference], lambda t: t)
+    assert {"moe/max_load/0", "moe/max_load/2", "moe/max_load/3"} <= expected_metrics.keys()
+    for part in (parts[0], parts[1]):  # a stage holding an MoE layer, and the dense one
+        metrics, loads = family.step_statistics([part], lambda t: t)
+        assert metrics == pytest.approx(expected_metrics, rel=1e-12) and len(loads) == len(part.moe_layers())
 
 
 def test_config_rejects_inconsistent_shapes() -> None:
@@ -437,10 +523,13 @@ DATA_PARALLEL = [("qwen3_tiny", "ddp", ["strategy=ddp"]), ("qwen3_tiny", "zero1"
                  ("qwen3_moe_tiny", "ddp", ["strategy=ddp"]), ("qwen3_moe_tiny", "zero2", ["strategy=zero2"]),
                  ("qwen3_moe_tiny", "zero3", ["strategy=zero3"]), ("qwen3_moe_tiny", "fsdp", ["strategy=fsdp"]),
                  ("qwen3_moe_tiny", "ddp_ep2", ["strategy=ddp", "ep=2"])]
-# tp splits the heads with their q/k norms (sequence parallel), the MoE runs whole on each rank; pp splits the
-# dense model (the MoE's pooled loss keeps it off pp); cp splits the sequences, the pooled loss summing its
-# statistics over both halves
-MODEL_PARALLEL = [("qwen3_moe_tiny", "tp2", ["strategy=tp", "tp=2"]), ("qwen3_tiny", "pp2", ["strategy=pp", "pp=2"]),
+# tp splits the heads with their q/k norms (sequence parallel), the MoE runs whole on each rank; pp puts one MoE
+# layer on each stage under 1f1b with 4 micro-batches, the pooled balance loss spanning both (each stage passes
+# the statistics of the layers up to its own on with the hidden states, the last sends the whole model's back as
+# their gradient; the dense model is pipelined by the 3d run below); cp splits the sequences, the pooled loss
+# summing its statistics over both halves
+MODEL_PARALLEL = [("qwen3_moe_tiny", "tp2", ["strategy=tp", "tp=2"]),
+                  ("qwen3_moe_tiny", "pp2", ["strategy=pp", "pp=2"]),
                   ("qwen3_moe_tiny", "cp2", ["strategy=ddp", "cp=2"])]
 PARITY_RUNS = [*DATA_PARALLEL, *MODEL_PARALLEL]
 # 4 processes: Qwen3 over tp x pp (3d), Qwen3-MoE over tp x ep x dp (zero3; each data-parallel rank's 2 micro-batches
@@ -459,6 +548,10 @@ POOL.add("qwen3", 4, [
     for model, name, overrides in THREE_D])
 
 
+# What rank 0 logs of the MoE layers (under pp both stages' layers: the family sums the rows over the stages).
+MOE_METRICS = ("moe/aux_loss", "moe/z_loss", "moe/max_load", "moe/max_load/0", "moe/max_load/1", "moe/dropped")
+
+
 @pytest.mark.slow
 def test_every_strategy_matches_one_process(tmp_path: Path) -> None:
     """2 ranks x 2 micro-batches of 4 hold the same micro-batches as one process's 4 micro-batches of 4, so
@@ -467,8 +560,13 @@ def test_every_strategy_matches_one_process(tmp_path: Path) -> None:
     ranks: the parity rule's rtol 1e-4 for model parallelism, and weights within 1e-4 as the other
     model-parallel tests (Adam's normalized steps turn tiny gradient differences of near-zero gradients into
     weight differences of a fraction of the LR). On 4 processes, 3d tp2 x pp2 and tp2 x ep2 x zero3 alike.
-    Measured over 6 steps: losses at most 1.3e-7 relative apart (every layout), weights 1.3e-6 (data
-    parallel, ep2 the farthest), 8.2e-6 (tp2; cp2 6.5e-6, pp2 2.4e-7) and 6.7e-5 (3d tp2 x pp2)."""
+    Gradient norms and, for Qwen3-MoE, what rank 0 logs of the MoE layers (`MOE_METRICS`: under pp2 one layer
+    per stage, the rows shared over the stages) within the same tolerances as the losses.
+    Measured over 6 steps: losses at most 1.3e-7 relative apart (every layout), Qwen3-MoE's gradient norms
+    5.2e-7 (pp2 1.0e-7, 3d 7.0e-7) and moe/* 1.5e-7 (pp2 2.9e-8), weights 1.3e-6 (data parallel, ep2 the
+    farthest), 8.2e-6 (tp2; cp2 6.5e-6, pp2 3.7e-7) and 6.7e-5 (3d tp2 x pp2). Without the pooled statistics
+    passed between the stages, the pp2 losses are up to 7.6e-4 apart (3 of the 6 fail); without
+    the rows shared over the stages, rank 0 logs moe/aux_loss of its own layer, 6.8% off."""
     launched = {2: POOL.ensure(2, "qwen3") / "np2", 4: POOL.ensure(4, "qwen3") / "np4"}
     runs = [(2, *run) for run in PARITY_RUNS] + [(4, *run) for run in THREE_D]
     for model in ("qwen3_tiny", "qwen3_moe_tiny"):
@@ -479,7 +577,10 @@ def test_every_strategy_matches_one_process(tmp_path: Path) -> None:
         for world, name in ((world, name) for world, m, name, _ in runs if m == model):
             run_dir = launched[world] / f"{model}_{name}"
             rel = 1e-4 if world == 4 or any(name == n for _, n, _ in MODEL_PARALLEL) else 1e-5
-            assert losses(run_dir) == pytest.approx(losses(tmp_path / model), rel=rel), (model, name)
+            for metric in ("train_loss", "grad_norm", *(MOE_METRICS if model == "qwen3_moe_tiny" else ())):
+                expected = losses(tmp_path / model, metric)
+                assert len(expected) == 6 and losses(run_dir, metric) == pytest.approx(expected, rel=rel), \
+                    (model, name, metric)
             theirs = torch.load(run_dir / "weights.pt", weights_only=True)
             assert theirs.keys() == weights.keys()
             for key, value in weights.items():

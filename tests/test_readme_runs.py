@@ -112,6 +112,9 @@ ELSEWHERE = {
     "python -m trainer model=deepseek_v3_tiny strategy=pp pp=2 trainer.devices=2":
         ("tests/test_deepseek_v3.py::test_data_parallel_strategies_reproduce_the_single_process_run",
          ['"pp2": ["strategy=pp", "pp=2"]', '"trainer.devices=2"']),
+    "python -m trainer model=deepseek_v3_tiny strategy=ddp cp=2 trainer.devices=2":
+        ("tests/test_deepseek_v3.py::test_data_parallel_strategies_reproduce_the_single_process_run",
+         ['"cp2_ring": ["strategy=ddp", "cp=2"]', '"trainer.devices=2"']),
     "python -m trainer recipe=tiny_3d_cpu":
         ("tests/test_recipes.py::test_each_recipe_shrunk_to_a_tiny_model_trains_2_steps_on_2_cpu_processes",
          ['"tiny_3d_cpu"']),

@@ -176,7 +176,7 @@ class Pipeline:
                                f"got {len(model_parts)}")
         self.stages = [
             PrecisionStage(part, index, self.num_stages, self.device, group=self.pp_group,
-                           autocast=self.precision.autocast)
+                           autocast=self.precision.autocast, family=self.family)
             for part, index in zip(model_parts, self.stage_indices)
         ]
         schedule_class = SCHEDULES[self.options.schedule]

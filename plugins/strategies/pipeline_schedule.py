@@ -125,16 +125,25 @@ class PipelineOptions:
 
 
 class PrecisionStage(PipelineStage):
-    """A PipelineStage whose forward passes run inside the precision plugin's autocast region.
+    """A PipelineStage whose forward passes run inside the precision plugin's autocast region, and which
+    passes the model family's carried tensors between stages.
 
     Autocast must cover the forward (and the shape inference that sizes the receive buffers, so that
     their dtype matches what the previous stage actually sends) but not the backward, so it is entered
     per forward call instead of around the whole schedule step.
+
+    Carried tensors (`ModelFamily.carry_out_of_stage`: Qwen3-MoE's pooled balance statistics) are extra
+    outputs of every stage but the last, after the hidden states, and so extra inputs of every stage but
+    the first: torch sends them with the hidden states, and sends their gradients back with the hidden
+    states' gradient. The model itself keeps one input and one output (what tensor parallelism's plan
+    and FSDP's hooks see); the family hands the extras to it and takes them from it.
     """
 
-    def __init__(self, *args: Any, autocast: Callable[[], ContextManager[Any]], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, autocast: Callable[[], ContextManager[Any]], family: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._autocast = autocast
+        self._family = family  # the model's family (`ModelFamily`): the carry hooks; None carries nothing
         # The token ids and (under document masking) the document ids of each micro-batch of the step, set
         # by the pipeline: a stage receives only hidden states, so they reach its model as `pipeline_tokens`
         # (read by the models that need them on a later stage: DeepSeek-V3's multi-token prediction) and
@@ -148,18 +157,36 @@ class PrecisionStage(PipelineStage):
         if fwd_chunk_id < len(self.chunk_doc_ids):
             self.submod.pipeline_doc_ids = self.chunk_doc_ids[fwd_chunk_id]
 
+    def _carrying(self, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """`run(*model_args)` with the carried tensors split off the stage's inputs (a later stage's are
+        the hidden states, then what the previous stage carried) and appended to its outputs (but the
+        last stage's, which go to the loss)."""
+        if self._family is None:
+            return run(*args)
+        carried: tuple[Any, ...] = ()
+        if not self.is_first:
+            args, carried = args[:1], tuple(args[1:])
+        self._family.carry_into_stage(self.submod, carried)
+        output = run(*args)
+        if self.is_last:
+            return output
+        extra = self._family.carry_out_of_stage(self.submod)
+        return (output, *extra) if extra else output
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._set_chunk(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        parent = super(PrecisionStage, self)
         with self._autocast():
-            return super().forward_maybe_with_nosync(*args, **kwargs)
+            return self._carrying(lambda *inputs: parent.forward_maybe_with_nosync(*inputs, **kwargs), args)
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
         # the forward of torch's metadata inference (first step, and after each eval/train switch): not a
         # training forward, so MoE layers leave it out of their load statistics
         # (on the first micro-batch's token and document ids, the shapes of every micro-batch's)
         self._set_chunk(0)
+        parent = super(PrecisionStage, self)
         with self._autocast(), moe_stats_paused():
-            return super()._compute_outputs(*args, module=module, **kwargs)
+            return self._carrying(lambda *inputs: parent._compute_outputs(*inputs, module=module, **kwargs), args)

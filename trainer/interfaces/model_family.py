@@ -188,6 +188,23 @@ class ModelFamily:
         calls it alike). Nothing by default."""
         del model_parts, all_reduce_sum
 
+    # ---- pipeline stages ------------------------------------------------------------------------------
+    def carry_into_stage(self, model: nn.Module, carried: tuple[torch.Tensor, ...]) -> None:
+        """Under pipeline parallelism, before every forward of a stage (`model`), metadata inference
+        included: what the previous stage's forward passed on beside the hidden states (its
+        `carry_out_of_stage`), empty on the first stage. Nothing by default."""
+        del model, carried
+
+    def carry_out_of_stage(self, model: nn.Module) -> tuple[torch.Tensor, ...]:
+        """After every forward of a pipeline stage before the last: tensors to pass to the next stage beside
+        the hidden states (the next stage's `carry_into_stage` gets them, in this order; every stage but the
+        last passes the same number). The pipeline sends them as extra stage outputs, so a gradient comes
+        back for each one that requires grad: the next stage's gradient of what it received, which lets a
+        family send values backwards through the stages (Qwen3-MoE's pooled balance statistics). None by
+        default."""
+        del model
+        return ()
+
     # ---- planner ------------------------------------------------------------------------------------
     def parameter_inventory(self, config: Any) -> ModelInventory:
         """Every parameter's shape and split, for the planner (never builds the model)."""

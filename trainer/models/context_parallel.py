@@ -110,20 +110,31 @@ class ContextParallel:
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return shard_sequence(tensor, self.rank, self.size, self.balanced, dim)
 
+    def gather(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequence of a tensor of which each rank of the group holds its shard (the inverse of
+        `shard`, gathered over the group; not differentiable: for token ids, which DeepSeek-V3's multi-token
+        prediction shifts along the whole sequence)."""
+        shards = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(shards, tensor.contiguous(), group=self.group)
+        return unshard_sequence(shards, self.balanced, dim)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local_attention: LocalAttention, *,
-                  dropout_p: float = 0.0, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                  dropout_p: float = 0.0, doc_ids: torch.Tensor | None = None,
+                  scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries `[B, H, S/cp, D]` over the whole sequence's keys/values
-        (`[B, Hkv, S/cp, D]` held here, grouped-query when Hkv < H).
+        (`[B, Hkv, S/cp, D]` and `[B, Hkv, S/cp, Dv]` held here, grouped-query when Hkv < H); the output is
+        `[B, H, S/cp, Dv]` (the values' width, which may differ from the query/key width D: MLA's).
 
         `local_attention(q, k, v[, doc_ids])` is the model's own causal attention on whole sequences; the
         all-to-all method runs it on its head groups. The ring runs its own blockwise kernels (with
-        `dropout_p`; a dropout seed is drawn from the current random stream). `doc_ids` (`[B, S]`, the whole
-        sequence's document ids) keeps attention inside documents.
+        `dropout_p`; a dropout seed is drawn from the current random stream) and softmax scale `scale`
+        (None: 1 / sqrt(D), as SDPA; a model whose `local_attention` uses another passes it here). `doc_ids`
+        (`[B, S]`, the whole sequence's document ids) keeps attention inside documents.
         """
         if self.method == "all_to_all":
             return ulysses_attention(q, k, v, self.group, local_attention, doc_ids)
         seed = int(torch.randint(0, 2**62, (1,))) if dropout_p > 0 else 0
-        return _RingAttention.apply(q, k, v, self, dropout_p, seed, doc_ids)
+        return _RingAttention.apply(q, k, v, self, dropout_p, seed, doc_ids, scale)
 
 
 def enable_context_parallel(model: torch.nn.Module, context: ContextParallel | None) -> None:
@@ -162,12 +173,13 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather:
     return torch.cat(received.unbind(0), gather)
 
 
-def _heads_view_of_tokens_major(like: torch.Tensor, heads: int | None = None, seq: int | None = None) -> torch.Tensor:
+def _heads_view_of_tokens_major(like: torch.Tensor, heads: int | None = None, seq: int | None = None,
+                                width: int | None = None) -> torch.Tensor:
     """An empty [B, H, S, D] tensor stored as [B, S, H, D], as SDPA lays out its output: the attention output's
     transpose-and-reshape to [B, S, H*D] for the output projection is then a view, not a second copy that
-    autograd would keep beside the one attention saves."""
+    autograd would keep beside the one attention saves. `like`'s shape, but for the given sizes."""
     b, h, s, d = like.shape
-    h, s = heads or h, seq or s
+    h, s, d = heads or h, seq or s, width or d
     return torch.empty(b, s, h, d, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
@@ -276,8 +288,10 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _use_flash(q: torch.Tensor, dropout_p: float) -> bool:
-    return q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in (torch.float32, torch.bfloat16)
+def _use_flash(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """The CPU flash kernel: no dropout, fp32/bf16, and one head width for q, k and v (it has no other)."""
+    return (q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[-1] == v.shape[-1])
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -285,7 +299,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """Attention of one query block over one key/value block: (output fp32, log-sum-exp fp32). `mask`
     (`[B, 1, Sq, Sk]`, True = may attend; the causal part included) replaces `causal`; a query that may
     attend no key of the block gets output 0 and log-sum-exp -inf."""
-    if mask is None and _use_flash(q, dropout_p):
+    if mask is None and _use_flash(q, v, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
     scores = _masked_scores(q, k, causal, scale, mask)
@@ -301,7 +315,7 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     seed: int, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block pair given the merged output and log-sum-exp of the query block (flash
     attention's backward: P = exp(S - lse), dS = P * (dP - rowsum(dO * O)))."""
-    if mask is None and _use_flash(q, dropout_p):
+    if mask is None and _use_flash(q, v, dropout_p):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
         return dq.float(), dk.float(), dv.float()
@@ -321,26 +335,30 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal ring attention over the cp group (load-balanced layout); see the module docstring."""
+    """Causal ring attention over the cp group (load-balanced layout); see the module docstring. Keys and
+    values travel as one tensor, concatenated on the head width (their widths may differ: MLA's)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ContextParallel,  # type: ignore[override]
-                dropout_p: float, seed: int, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                dropout_p: float, seed: int, doc_ids: torch.Tensor | None = None,
+                scale: float | None = None) -> torch.Tensor:
         cp, rank = context.size, context.rank
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         groups = q.shape[1] // k.shape[1]
+        widths = [k.shape[-1], v.shape[-1]]
         q_ids = sequence_chunks(rank, cp, True)
         q_blocks = q.chunk(len(q_ids), 2)
         outs: list[torch.Tensor | None] = [None] * len(q_ids)
         lses: list[torch.Tensor | None] = [None] * len(q_ids)
         ring = _Ring(context)
-        kv = torch.stack((k, v))
+        kv = torch.cat((k, v), -1)
         for step in range(cp):
             # the next block is on its way while this one is computed
             pending = ring.start(kv) if step < cp - 1 else None
             source = (rank - step) % cp
             k_ids = sequence_chunks(source, cp, True)
-            k_blocks, v_blocks = kv[0].chunk(len(k_ids), 2), kv[1].chunk(len(k_ids), 2)
+            k_held, v_held = kv.split(widths, -1)
+            k_blocks, v_blocks = k_held.chunk(len(k_ids), 2), v_held.chunk(len(k_ids), 2)
             for a, b, causal in _block_pairs(q_ids, k_ids):
                 block_seed = seed + q_ids[a] * 2 * cp + k_ids[b]
                 out, lse = _block_forward(q_blocks[a], _expand_kv(k_blocks[b], groups),
@@ -349,7 +367,7 @@ class _RingAttention(torch.autograd.Function):
                 outs[a], lses[a] = _merge(outs[a], lses[a], out, lse)
             if pending is not None:
                 kv = ring.finish(pending)
-        out = _heads_view_of_tokens_major(q)
+        out = _heads_view_of_tokens_major(q, width=v.shape[-1])
         for a, block in enumerate(outs):
             out[:, :, a * q_blocks[0].shape[2]:(a + 1) * q_blocks[0].shape[2]] = block
         lse = torch.cat(lses, 2)  # type: ignore[arg-type]
@@ -364,6 +382,7 @@ class _RingAttention(torch.autograd.Function):
         context: ContextParallel = ctx.context()
         cp, rank = context.size, context.rank
         groups = q.shape[1] // k.shape[1]
+        widths = [k.shape[-1], v.shape[-1]]
         q_ids = sequence_chunks(rank, cp, True)
         split = len(q_ids)
         q_blocks, out_blocks = q.chunk(split, 2), out.chunk(split, 2)
@@ -371,14 +390,16 @@ class _RingAttention(torch.autograd.Function):
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq_blocks = [torch.zeros_like(b, dtype=acc_dtype) for b in q_blocks]
         ring = _Ring(context)
-        kv = torch.stack((k, v))
+        kv = torch.cat((k, v), -1)
         dkv = torch.zeros_like(kv, dtype=acc_dtype)  # travels with its block, back to its owner
         for step in range(cp):
             pending = ring.start(kv) if step < cp - 1 else None
             source = (rank - step) % cp
             k_ids = sequence_chunks(source, cp, True)
-            k_blocks, v_blocks = kv[0].chunk(len(k_ids), 2), kv[1].chunk(len(k_ids), 2)
-            dk_blocks, dv_blocks = dkv[0].chunk(len(k_ids), 2), dkv[1].chunk(len(k_ids), 2)
+            k_held, v_held = kv.split(widths, -1)
+            k_blocks, v_blocks = k_held.chunk(len(k_ids), 2), v_held.chunk(len(k_ids), 2)
+            dk_held, dv_held = dkv.split(widths, -1)  # views: adding into them adds into dkv
+            dk_blocks, dv_blocks = dk_held.chunk(len(k_ids), 2), dv_held.chunk(len(k_ids), 2)
             for a, b, causal in _block_pairs(q_ids, k_ids):
                 block_seed = ctx.seed + q_ids[a] * 2 * cp + k_ids[b]
                 dq, dk, dv = _block_backward(dout_blocks[a], q_blocks[a], _expand_kv(k_blocks[b], groups),
@@ -394,7 +415,8 @@ class _RingAttention(torch.autograd.Function):
             if cp > 1:
                 dkv = ring.finish(ring.start(dkv))
         dq = torch.cat(dq_blocks, 2).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = dkv.split(widths, -1)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from trainer.interfaces.model_family import BlockSplit, ModelFamily, StageModules
-from trainer.models.moe import MoE, collect_moe_stats, moe_layers, update_router_biases
+from trainer.models.moe import MoE, collect_moe_stats, moe_layers, share_moe_rows_over_stages, update_router_biases
 
 # The sub-layers of a pre-norm block `x + attention(attention_norm(x))`, `h + feed_forward(ffn_norm(h))`:
 # attention gets (x, rope_cache, doc_ids); the feed-forward (x).
@@ -86,6 +86,19 @@ class DecoderFamily(ModelFamily):
                         reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], Any]:
         # MoE layers: aux losses and expert loads (one small all-reduce); DeepSeek-V3's MTP losses ride along.
         return collect_moe_stats(model_parts, reduce_mean)
+
+    def moe_layer_keys(self, config: Any) -> list[str]:
+        """The keys (as `moe_layers` names them: the block's index) of the whole model's MoE layers, on
+        every pipeline stage alike. Default: every block when `config.is_moe`."""
+        return [str(i) for i in range(config.n_layers)] if getattr(config, "is_moe", False) else []
+
+    def sum_statistics_over_stages(self, model_parts: Sequence[nn.Module],
+                                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        # every MoE layer's step statistics on every stage, so that rank 0 logs the whole model's moe/* metrics
+        config = model_parts[0].config
+        keys = self.moe_layer_keys(config)
+        if keys:
+            share_moe_rows_over_stages(model_parts, keys, config.n_experts, all_reduce_sum)
 
     def after_optimizer_step(self, model_parts: Sequence[nn.Module], state: Any) -> None:
         if state:

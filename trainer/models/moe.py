@@ -271,7 +271,11 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, chosen, weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`x` `[..., dim]`. `counted` (bool, `x`'s shape without `dim`): the tokens whose routing the statistics
+        and the balancing losses count (None: all of them); the others are routed and computed alike, but
+        are padding whose outputs the caller ignores (DeepSeek-V3's multi-token prediction past the end of
+        the window)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         tokens = flat.shape[0]
@@ -301,8 +305,16 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self._shared(flat)
 
-        aux = self.balance_loss(counts, probs, tokens, chosen=chosen, seq_len=shape[-2] if x.dim() > 2 else tokens)
-        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        seq_len = shape[-2] if x.dim() > 2 else tokens
+        if counted is None:
+            aux = self.balance_loss(counts, probs, tokens, chosen=chosen, seq_len=seq_len)
+            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        else:
+            keep = counted.reshape(-1).to(device=flat.device, dtype=torch.bool)
+            counts = torch.bincount(chosen[keep].reshape(-1), minlength=self.n_experts)
+            # (only passed when given: a subclass's balance loss without the argument never gets masked tokens)
+            aux = self.balance_loss(counts, probs, tokens, chosen=chosen, seq_len=seq_len, counted=keep)
+            z = torch.logsumexp(logits[keep], dim=-1).pow(2).mean()
         self._record(counts, dropped, aux, z)
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
@@ -310,15 +322,26 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int, *,
-                     chosen: Optional[torch.Tensor] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+                     chosen: Optional[torch.Tensor] = None, seq_len: Optional[int] = None,
+                     counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Switch / Mixtral `E * sum_e f_e P_e` over this micro-batch's tokens: with a sequence group, the
         assignment counts and router probabilities of all its ranks (training forwards only; the value is
         the same on every rank, and `_SumOverGroup` gives each rank's probabilities their share of the
         gradient, which the cp gradient averaging then turns into the single process's).
 
         `chosen` ([T, k] experts per token) and `seq_len` (tokens per sequence) are for subclasses whose
-        loss is per sequence (DeepSeek-V3's sequence-wise balance loss); this batch-wise one ignores them."""
+        loss is per sequence (DeepSeek-V3's sequence-wise balance loss); this batch-wise one ignores them.
+        `counted` ([T] bool, see `forward`): the tokens the loss counts (`counts` already counts only them)."""
         del chosen, seq_len
+        if counted is not None:
+            assigned, prob_sum = counts.detach().float(), probs[counted].sum(dim=0)
+            number = counted.sum().to(prob_sum.dtype).reshape(1)
+            if self.sequence_group is not None and self.training:  # the ranks may count different numbers
+                summed = _SumOverGroup.apply(torch.cat([assigned, number, prob_sum]), self.sequence_group)
+                assigned, number, prob_sum = summed[:self.n_experts].detach(), summed[self.n_experts], \
+                    summed[self.n_experts + 1:]
+            number = number.detach().reshape(())
+            return self.n_experts * torch.sum(assigned / (number * self.top_k) * prob_sum / number)
         assigned, prob_sum = counts.detach().float(), probs.sum(dim=0)
         if self.sequence_group is not None and self.training:
             size = dist.get_world_size(self.sequence_group)
@@ -394,30 +417,68 @@ class StepStatistics:
         raise NotImplementedError
 
 
+def _stat_row(layer: MoE) -> torch.Tensor:
+    """One layer's statistics since the last read, as `collect_moe_stats` reduces them (float64): tokens per
+    expert, dropped assignments, and the mean aux and z losses over its training forwards."""
+    tokens = layer.stat_tokens if layer.stat_tokens is not None else torch.zeros(layer.n_experts, dtype=torch.float64)
+    calls = max(layer.stat_calls, 1)
+    return torch.cat([tokens, torch.tensor([layer.stat_dropped, layer.stat_aux / calls, layer.stat_z / calls],
+                                           dtype=torch.float64)])
+
+
+# The attribute of the first model part under which `share_moe_rows_over_stages` leaves the rows of the MoE
+# layers other pipeline stages hold, for `collect_moe_stats` (a plain attribute: never in state dicts).
+_OTHER_STAGES_ROWS = "pipeline_moe_rows"
+
+
+def share_moe_rows_over_stages(model_parts: Sequence[nn.Module], layer_keys: Sequence[str], n_experts: int,
+                               all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Under pipeline parallelism, after a step's schedule (`ModelFamily.sum_statistics_over_stages`): the
+    statistics rows of the model's MoE layers (`layer_keys`, every stage's, all of `n_experts` experts)
+    summed over the pp ranks with `all_reduce_sum` (a collective: every rank calls it alike, with a table
+    of the same shape), so that the next `collect_moe_stats` on any stage reports every layer, as the
+    single process does. The rows of this rank's own layers stay where they are (read and cleared there)."""
+    own = dict(moe_layers(model_parts))
+    table = torch.zeros(len(layer_keys), n_experts + 3, dtype=torch.float64)
+    for index, key in enumerate(layer_keys):
+        if key in own:
+            table[index] = _stat_row(own[key])
+    total = all_reduce_sum(table).to(torch.float64)
+    rows = {key: total[index] for index, key in enumerate(layer_keys) if key not in own}
+    setattr(model_parts[0], _OTHER_STAGES_ROWS, rows)
+
+
 def collect_moe_stats(model_parts: Sequence[nn.Module],
                       reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Read (and clear) the step's statistics of the MoE layers these parts hold, averaged over the
     data-parallel ranks with `reduce_mean` (a collective every rank of the group calls, with its layers'
-    statistics in one tensor; pipeline stages each reduce their own layers).
+    statistics in one tensor; pipeline stages each reduce their own layers, and the rows of other stages'
+    layers where the family shared them, `share_moe_rows_over_stages`).
 
     Returns the metrics: `moe/aux_loss`, `moe/z_loss` (means over layers and micro-batches, before their
     coefficients), `moe/max_load` (the largest max/mean tokens-per-expert ratio over the layers; 1.0 is
     perfect balance, n_experts / top_k the worst), `moe/dropped` (dropped assignments per data-parallel
     rank, all layers) and per layer `moe/max_load/<layer>`; and each layer's load (mean assignments per
-    expert over the ranks), for `update_router_biases`. The values of `StepStatistics` modules (DeepSeek-V3's
-    `mtp/loss`) travel in the same reduction. Empty for a dense model without such modules.
+    expert over the ranks) of the layers these parts hold, for `update_router_biases`. The values of
+    `StepStatistics` modules (DeepSeek-V3's `mtp/loss`) travel in the same reduction. Empty for a dense
+    model without such modules.
     """
     layers = moe_layers(model_parts)
+    shared: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        shared.update(getattr(part, _OTHER_STAGES_ROWS, None) or {})
+        if _OTHER_STAGES_ROWS in vars(part):
+            delattr(part, _OTHER_STAGES_ROWS)
     others = [module for part in model_parts for module in part.modules() if isinstance(module, StepStatistics)]
-    if not layers and not others:
+    if not layers and not shared and not others:
         return {}, []
-    rows = []
+    keyed = [(key, _stat_row(layer)) for key, layer in layers]
     for _, layer in layers:
-        tokens = layer.stat_tokens if layer.stat_tokens is not None else torch.zeros(layer.n_experts, dtype=torch.float64)
-        calls = max(layer.stat_calls, 1)
-        rows.append(torch.cat([tokens, torch.tensor([layer.stat_dropped, layer.stat_aux / calls, layer.stat_z / calls],
-                                                    dtype=torch.float64)]))
         layer.reset_stats()
+    keyed += [(key, row) for key, row in shared.items() if key not in dict(layers)]
+    order = sorted(range(len(keyed)), key=lambda i: int(keyed[i][0]) if keyed[i][0].isdigit() else 0)
+    rows = [keyed[i][1] for i in order]
+    keys = [keyed[i][0] for i in order]
     extra = [torch.tensor(module.read_stats(), dtype=torch.float64) for module in others]
     width = rows[0].numel() if rows else 0
     device = next((t.device for part in model_parts for t in part.parameters()), torch.device("cpu"))
@@ -431,13 +492,13 @@ def collect_moe_stats(model_parts: Sequence[nn.Module],
         for name, value in zip(module.stat_names(), read_back, strict=True):
             metrics[name] = value
         offset += values.numel()
-    if not layers:
+    if not rows:
         return metrics, []
-    loads: list[torch.Tensor] = []
-    for (key, layer), row in zip(layers, reduced):
-        load = row[:layer.n_experts]
-        loads.append(load)
+    for key, row in zip(keys, reduced, strict=True):
+        load = row[:-3]
         metrics[f"moe/max_load/{key}"] = float(load.max() / load.mean()) if float(load.sum()) > 0 else 1.0
+    position = {index: place for place, index in enumerate(order)}
+    loads = [reduced[position[index], :-3] for index in range(len(layers))]  # this rank's layers, in order
     metrics["moe/aux_loss"] = float(reduced[:, -2].mean())
     metrics["moe/z_loss"] = float(reduced[:, -1].mean())
     metrics["moe/max_load"] = max(v for k, v in metrics.items() if k.startswith("moe/max_load/"))

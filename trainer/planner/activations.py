@@ -520,9 +520,11 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
     if part.first:
         first = in_flight * sum(x.bytes(t, sp) for x in embedding_saved_tensors(inv, s, b, mask_bytes))
     positions = 0.0
-    if layout.cp > 1 and inv.family == "llama":
-        # each stage's forward gathers the RoPE rows of its tokens' global positions (fp32 cos and sin)
-        positions = in_flight * len(part.stage_layers) * s * 2 * inv.head_dim * 4
+    if layout.cp > 1 and inv.family in ("llama", "deepseek_v3"):
+        # each stage's forward gathers the RoPE rows of its tokens' global positions (fp32 cos and sin; MLA
+        # rotates its rope_head_dim channels only)
+        rotated = inv.rope_head_dim if inv.family == "deepseek_v3" else inv.head_dim
+        positions = in_flight * len(part.stage_layers) * s * 2 * rotated * 4
     head_in_flight = float(layout.num_microbatches) if (layout.pp > 1 and layout.schedule == "gpipe") else 1.0
     last = log_probs = held_logits = loss_backward = 0.0
     if part.last:
@@ -539,12 +541,14 @@ def estimate_activations(inv: ModelInventory, layout: Layout, pp_rank: int,
         # computes its own loss in the forward, so it keeps everything its block saves, plus its norms, its
         # projection's input and the fp32 log-probabilities of its head
         # (an MTP block is an MoE block: `inv`'s own ffn_dim and n_experts)
+        # (each depth runs on all s tokens of the rank, the k + 1 past the window's end being padding; a
+        # depth without a target in the window is skipped)
         mtp_block = layer_bytes(block_tensors(inv), "none", t, sp) if inv.mtp_blocks else 0.0
         for depth in range(1, inv.mtp_blocks + 1):
-            length = max(s - depth - 1, 0)
-            last += head_in_flight * (
-                mtp_block * length / s + sum(x.bytes(t, sp) for x in mtp_saved_tensors(
-                    inv, length, b, e, r, fused_norm=fused_norm)))
+            if layout.seq_len - depth - 1 <= 0:
+                break
+            last += head_in_flight * (mtp_block + sum(x.bytes(t, sp) for x in mtp_saved_tensors(
+                inv, s, b, e, r, fused_norm=fused_norm)))
         tokens_x_vocab = s * b * inv.vocab_size / (t if vocab_sharded else 1)
         # the step holds the logits (compute dtype) until its backward is done
         held_logits = head_in_flight * tokens_x_vocab * e

@@ -22,8 +22,10 @@ What each strategy of this trainer communicates (M micro-batches per step):
   in the forward, again in the backward together with cp hops of the fp32 K/V gradients (which travel
   back to their owner); all_to_all (Ulysses) exchanges q, k, v and the output in the forward and their
   gradients in the backward, each all-to-all moving (cp-1)/cp of the rank's tensor. Recomputed blocks
-  (and the attention core under `attention` checkpointing) communicate their forward again. Gradients of
-  the weights are averaged over dp x cp (the dp groups above include the cp ranks).
+  (and the attention core under `attention` checkpointing) communicate their forward again, and the last
+  stage's multi-token-prediction blocks (DeepSeek-V3) theirs. Keys and values of MLA have widths of their
+  own (`head_dim`, `value_dim`). Gradients of the weights are averaged over dp x cp (the dp groups above
+  include the cp ranks).
 - ep (per MoE layer and micro-batch): the top_k copies of each of this rank's tokens go to their experts'
   ranks and come back (two all-to-alls in the forward, two in the backward, again for a recomputed block),
   each moving (ep-1)/ep of tokens x top_k x dim activations (uniform routing); expert gradients are
@@ -184,16 +186,20 @@ def context_parallel_collectives(inv: ModelInventory, layout: Layout, coords: Ra
     forwards = part.layers + checkpointed_layers(layout, inv, coords.pp)  # recomputed blocks run theirs again
     if layout.checkpointing == "attention":
         forwards += part.layers
+    mtp = inv.mtp_blocks if part.last else 0  # DeepSeek-V3's MTP blocks (not checkpointed) attend across cp too
+    forwards, backwards = forwards + mtp, part.layers + mtp
     tokens = layout.local_seq_len * layout.micro_batch_size
-    q_width, kv_width = inv.attention_dim / tp, inv.kv_dim / tp
+    # per token: the queries' and the keys' width (n_heads x head_dim), the values' and the output's (x value_dim)
+    qk_v = inv.head_dim + inv.value_dim
+    q_width, kv_width = inv.n_heads * qk_v / tp, inv.n_kv_heads * qk_v / tp
     span = spans_nodes(layout, "cp", devices_per_node)
     if layout.cp_method == "ring":
-        block = 2 * tokens * kv_width * layout.compute_bytes  # this rank's K and V
-        kv_hops = m * (cp - 1) * (forwards + part.layers)  # forward(s), and the backward's pass of the ring
-        grad_hops = m * cp * part.layers  # fp32 dK, dV travel home
+        block = tokens * kv_width * layout.compute_bytes  # this rank's K and V
+        kv_hops = m * (cp - 1) * (forwards + backwards)  # forward(s), and the backward's pass of the ring
+        grad_hops = m * cp * backwards  # fp32 dK, dV travel home
         return [Collective("cp", P2P, kv_hops, cp, kv_hops * block, span),
-                Collective("cp", P2P, grad_hops, cp, grad_hops * 2 * tokens * kv_width * 4, span)]
+                Collective("cp", P2P, grad_hops, cp, grad_hops * tokens * kv_width * 4, span)]
     repeat = kv_head_repeat(inv.n_heads // tp, inv.n_kv_heads // tp, cp)
-    exchanged = tokens * (2 * q_width + 2 * kv_width * repeat) * layout.compute_bytes  # q, k, v in; output back
-    passes = m * (forwards + part.layers)
+    exchanged = tokens * (q_width + kv_width * repeat) * layout.compute_bytes  # q, k, v in; output back
+    passes = m * (forwards + backwards)
     return [Collective("cp", ALL_TO_ALL, 4 * passes, cp, passes * exchanged, span)]

@@ -53,6 +53,7 @@ class DeepSeekV3Family(DecoderFamily):
     def sum_statistics_over_stages(self, model_parts: Sequence[nn.Module],
                                    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
         # every stage holds an `MTPLosses` (the same number on every pp rank); the last stage's records the losses
+        super().sum_statistics_over_stages(model_parts, all_reduce_sum)  # the MoE layers' rows
         holders = [module for part in model_parts for module in part.modules() if isinstance(module, MTPLosses)]
         if not holders or not holders[0].depth:
             return
@@ -61,6 +62,10 @@ class DeepSeekV3Family(DecoderFamily):
         for holder in holders:  # each copy reports the step's losses
             holder.set_totals(total)
 
+    def moe_layer_keys(self, config: DeepSeekV3Config) -> list[str]:
+        # the DeepSeekMoE blocks after the dense ones, then each MTP depth's block (keyed n_layers + k - 1)
+        return [str(i) for i in range(config.first_k_dense_replace, config.n_layers + config.mtp_depth)]
+
     def tensor_parallel_sizes(self, config: DeepSeekV3Config) -> list[tuple[str, int, str]]:
         return [("model.n_heads", config.n_heads, "attention heads"),
                 ("model.ffn_hidden_dim", config.ffn_hidden_dim, "dense MLP hidden width"),
@@ -68,15 +73,13 @@ class DeepSeekV3Family(DecoderFamily):
 
     def unsupported_parallelism(self, config: DeepSeekV3Config, *, tp: int, pp: int,
                                 cp: int) -> Optional[tuple[str, str]]:
-        """Data-parallel strategies need nothing from a family; expert parallelism splits every DeepSeekMoE
-        (the MTP module's too), tensor parallelism follows `block_split`, and the pipeline puts the MTP
-        module on the last stage with a copy of the embedding (`end_stage_copies`). Context parallelism is
-        not built for this family."""
-        del tp, pp
-        if cp > 1:
-            return "cp", (f"cp={cp} with model {config.name}: context parallelism is not built for DeepSeek-V3 "
-                          "(MLA's attention core and MTP's shifted tokens across sequence shards) (DeepSeek-V3 "
-                          "runs with strategy=single, ddp, zero1, zero2, zero3, fsdp, tp, pp or 3d, and ep)")
+        """Every layout is supported. Data-parallel strategies need nothing from a family; expert parallelism
+        splits every DeepSeekMoE (the MTP module's too), tensor parallelism follows `block_split`, the
+        pipeline puts the MTP module on the last stage with a copy of the embedding (`end_stage_copies`), and
+        context parallelism (both methods) runs MLA's core attention across the cp ranks with its own
+        softmax scale and value width, the MTP depths on this rank's part of the whole sequence's shifted
+        tokens (gathered over the cp group), and the routing statistics of whole sequences."""
+        del config, tp, pp, cp
         return None
 
     def parameter_inventory(self, config: DeepSeekV3Config) -> ModelInventory:

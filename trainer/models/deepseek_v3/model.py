@@ -22,9 +22,20 @@ logits (`_AttachAuxLoss`): its gradient is the one a term added to the language-
 under every strategy's loss scaling and accumulation, without the loss path knowing about it. The model
 sees the input tokens only (the targets stay with the strategy), so depth k predicts t_{i+k+1} for the
 positions whose target is among the inputs: S - k - 1 of a window of S (the paper counts S - k, with the
-window's next token), and CE_k is the mean over those. Evaluation forwards skip MTP (the validation loss is
+window's next token), and CE_k is the mean over those. Each depth runs at the full length S (`mtp_tokens`:
+position i reads t_{i+k}; the last k + 1 positions read a padding token, their targets are ignored and
+their routing is left out of the MoE statistics); attention being causal, the other positions are those
+of a depth run on S - k - 1 tokens. So under context parallelism a rank runs each depth on its part of the
+whole sequence's shifted tokens, cut as its tokens are (the whole sequence's ids are gathered over the cp
+group), and sums its targets' losses over the global count B x (S - k - 1), times cp (the gradients and the
+logged losses are averaged over the cp ranks). Evaluation forwards skip MTP (the validation loss is
 the main model's). `mtp/loss` (mean over depths, before lambda) and `mtp/loss/<k>` are logged through
 `collect_moe_stats`'s `StepStatistics`.
+
+**Context parallelism** (`cp`, both methods): MLA's core attention runs across the cp ranks with its own
+softmax scale and value width (trainer/models/context_parallel.py), RoPE reads this rank's global
+positions, and the DeepSeekMoE statistics (loads, the sequence-wise balance loss) are those of whole
+sequences (`MoE.sequence_group`).
 
 **Counts.** `num_params()` / `num_active_params()` follow the published convention by default (671B /
 37B without the 14B MTP module; `count_mtp_params` or `include_mtp=True` adds it; embedding and head are
@@ -39,9 +50,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from trainer.loss import cross_entropy_loss
+from trainer.loss import IGNORE_INDEX, cross_entropy_loss
 from trainer.models.common import (CausalLM, matmul_params, module_device, require_divisible, require_positive,
                                    unique_numel)
 from trainer.models.deepseek_v3.mla import MultiHeadLatentAttention, compute_mla_rope_cache, softmax_scale
@@ -222,10 +234,13 @@ class DeepSeekV3Block(nn.Module):
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor,
-                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`counted` (`[B, S]` bool; an MoE block only): the tokens whose routing its statistics count
+        (`MoE.forward`); the multi-token-prediction blocks leave out the padding past the window's end."""
         h = x + self.attention(self.attention_norm(x), rope_cache, doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        normed = self.ffn_norm(h)
+        return h + (self.feed_forward(normed) if counted is None else self.feed_forward(normed, counted=counted))
 
     def init_weights(self, std: float) -> None:
         self.attention_norm.reset_parameters()
@@ -247,9 +262,9 @@ class MTPModule(nn.Module):
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)  # the checkpoint's shared_head.norm
 
     def forward(self, embeddings: torch.Tensor, previous: torch.Tensor, rope_cache: torch.Tensor,
-                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                doc_ids: Optional[torch.Tensor] = None, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.eh_proj(torch.cat((self.enorm(embeddings), self.hnorm(previous)), dim=-1))
-        return self.norm(self.block(h, rope_cache, doc_ids))
+        return self.norm(self.block(h, rope_cache, doc_ids, counted))
 
     def init_weights(self, std: float) -> None:
         for norm in (self.enorm, self.hnorm, self.norm):
@@ -356,12 +371,17 @@ class DeepSeekV3(CausalLM):
                 self.rope_cache = self._compute_rope_cache(cache.device)
         return self
 
-    def _rope(self, seq_len: int, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        if seq_len > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}")
+    def _rope(self, local_len: int, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The RoPE rows of the `local_len` tokens this rank holds of each sequence (all of them without
+        context parallelism, else this rank's shard at its global positions)."""
+        if self.sequence_length(local_len) > self.config.max_seq_len:
+            raise ValueError(f"sequence length {self.sequence_length(local_len)} exceeds max_seq_len "
+                             f"{self.config.max_seq_len}")
         if doc_ids is not None:  # positions restart at each document: [B, S, 2 x rope dim]
             return self.rope_cache[self.document_positions(doc_ids)]
-        return self.rope_cache[:seq_len]
+        if self.context_parallel is None:
+            return self.rope_cache[:local_len]
+        return self.rope_cache[self.positions(local_len, self.rope_cache.device)]
 
     # ---- forward -------------------------------------------------------------------------------------
     def hidden_states(self, tokens: torch.Tensor,
@@ -375,27 +395,65 @@ class DeepSeekV3(CausalLM):
             h = layer(h, rope_cache, doc_ids)
         return embeddings, self.norm(h)
 
-    def mtp_hidden_states(self, embeddings: torch.Tensor, hidden: torch.Tensor,
-                          doc_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-        """Each MTP depth's normalised representation; depth k (1-based) is ``[B, S - k - 1, dim]``, its
-        position i predicting token i + k + 1 of the window."""
-        seq_len = embeddings.shape[1]
-        outputs: list[torch.Tensor] = []
+    def mtp_tokens(self, tokens: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP depth `depth`'s input token ids and targets, this rank's part of each (`[B, S_local]`), from
+        the whole sequence's token ids `tokens` (`[B, S]`): position i reads t_{i+k} and predicts t_{i+k+1}.
+        Positions past the window's end read token 0 and have the loss's ignore index as target: causal
+        attention keeps them from the valid positions, which are those of a depth run on S - k - 1 tokens."""
+        inputs = F.pad(tokens[:, depth:], (0, depth), value=0)
+        targets = F.pad(tokens[:, depth + 1:], (0, depth + 1), value=IGNORE_INDEX)
+        if self.context_parallel is not None:
+            inputs, targets = self.context_parallel.shard(inputs), self.context_parallel.shard(targets)
+        return inputs, targets
+
+    def mtp_hidden_states(self, tokens: torch.Tensor, hidden: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                          rope_cache: Optional[torch.Tensor] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each MTP depth's normalised representation ``[B, S_local, dim]`` and targets ``[B, S_local]``
+        (`mtp_tokens`), from the whole sequence's token ids ``[B, S]`` and this rank's final normalised
+        hidden states ``[B, S_local, dim]``. Every depth runs at the full length, the positions past the end
+        (k + 1 of them at depth k) being padding: their targets are ignored and their routing is not counted
+        (`counted`). So a rank's part of each depth is cut from the whole sequence as its tokens are
+        (context parallelism), and the valid positions are those of depth k run on S - k - 1 tokens. The
+        depths without a target in the window are skipped."""
+        assert self.tok_embeddings is not None
+        seq_len = tokens.shape[1]
+        if rope_cache is None:
+            rope_cache = self._rope(hidden.shape[1], doc_ids)
+        outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         previous = hidden
         for depth, module in enumerate(self._mtp_depths(), start=1):
-            length = seq_len - depth - 1
-            if length <= 0:
+            if seq_len - depth - 1 <= 0:
                 break
-            ids = doc_ids[:, :length] if doc_ids is not None else None
-            previous = module(embeddings[:, depth:depth + length], previous[:, :length], self._rope(length, ids), ids)
-            outputs.append(previous)
+            inputs, targets = self.mtp_tokens(tokens, depth)
+            previous = module(self.tok_embeddings(inputs), previous, rope_cache, doc_ids, targets != IGNORE_INDEX)
+            outputs.append((previous, targets))
         return outputs
 
     def mtp_logits(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-        """Each MTP depth's logits through the shared head (depth k: ``[B, S - k - 1, vocab]``)."""
-        embeddings, hidden = self.hidden_states(tokens, doc_ids)
+        """Each MTP depth's logits through the shared head at its valid positions (depth k: ``[B, S - k - 1,
+        vocab]``, position i predicting token i + k + 1); the whole model in one process."""
+        _, hidden = self.hidden_states(tokens, doc_ids)
         assert self.output is not None
-        return [self.output(h) for h in self.mtp_hidden_states(embeddings, hidden, doc_ids)]
+        return [self.output(h)[:, :tokens.shape[1] - depth - 1]
+                for depth, (h, _) in enumerate(self.mtp_hidden_states(tokens, hidden, doc_ids), start=1)]
+
+    def mtp_losses_of(self, tokens: torch.Tensor, hidden: torch.Tensor, doc_ids: Optional[torch.Tensor],
+                      rope_cache: torch.Tensor) -> list[torch.Tensor]:
+        """CE_k of each depth: the mean over the B x (S - k - 1) targets of the whole micro-batch. `tokens`:
+        this rank's token ids (`[B, S_local]`; under context parallelism the whole sequence's are gathered
+        from the group). Under context parallelism each rank returns its targets' summed loss over that
+        global count, times cp: the gradient average over the cp ranks and the logged mean over them are
+        then the single process's CE_k."""
+        assert self.output is not None
+        ranks = 1
+        if self.context_parallel is not None:
+            tokens, ranks = self.context_parallel.gather(tokens), self.context_parallel.size
+        batch, seq_len = tokens.shape
+        losses = []
+        for depth, (h, targets) in enumerate(self.mtp_hidden_states(tokens, hidden, doc_ids, rope_cache), start=1):
+            summed = cross_entropy_loss(self.output(h), targets, reduction="sum")
+            losses.append(summed * (ranks / (batch * (seq_len - depth - 1))))
+        return losses
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids ``[B, S]`` (``doc_ids`` ``[B, S]``: attention within documents, positions restarting), or
@@ -403,11 +461,9 @@ class DeepSeekV3(CausalLM):
         last; a stage reads its micro-batch's document ids from ``pipeline_doc_ids`` and, on the last stage,
         its token ids (what MTP embeds and predicts) from ``pipeline_tokens``."""
         doc_ids = self.pipeline_doc_ids if doc_ids is None else doc_ids
-        embeddings: Optional[torch.Tensor] = None
         if self.pp_stage_index == 0:  # the first stage (or the whole model): token ids in
             assert self.tok_embeddings is not None
-            embeddings = self.tok_embeddings(tokens)
-            h = embeddings
+            h = self.tok_embeddings(tokens)
         else:
             h, tokens = tokens, self.pipeline_tokens  # type: ignore[assignment]
         rope_cache = self._rope(h.shape[1], doc_ids)
@@ -419,11 +475,9 @@ class DeepSeekV3(CausalLM):
         hidden = self.norm(h)
         logits = self.output(hidden)
         if self.mtp is not None and len(self.mtp) and self.training and torch.is_grad_enabled():
-            if embeddings is None:  # the last stage's copy of the embedding
-                assert self.tok_embeddings is not None and tokens is not None, "the last stage needs pipeline_tokens"
-                embeddings = self.tok_embeddings(tokens)
-            losses = [cross_entropy_loss(self.output(h), tokens[:, depth + 1:depth + 1 + h.shape[1]])
-                      for depth, h in enumerate(self.mtp_hidden_states(embeddings, hidden, doc_ids), start=1)]
+            # (on a later pipeline stage, its copy of the embedding embeds the shifted tokens)
+            assert tokens is not None, "the last stage needs pipeline_tokens"
+            losses = self.mtp_losses_of(tokens, hidden, doc_ids, rope_cache)
             if losses:
                 self.mtp_losses.record(losses)
                 weighted = self.config.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
@@ -487,8 +541,8 @@ class DeepSeekV3(CausalLM):
           + 6 * (n_layers + mtp_depth) * seq_len * n_heads * (qk_head_dim + v_head_dim)
 
         the second term being QK^T (width qk_head_dim = 192) and attention x V (v_head_dim = 128) per head,
-        not halved for causality, for the main blocks and the MTP blocks alike. MTP depths are counted at
-        the full sequence length (they run on S - k - 1 positions). Elementwise work is ignored."""
+        not halved for causality, for the main blocks and the MTP blocks alike. MTP depths run at the full
+        sequence length (S - k - 1 positions with a target, the rest padding). Elementwise work is ignored."""
         require_positive(seq_len, "seq_len")
         cfg = self.config
         blocks = len(self.layers) + len(self._mtp_depths())

@@ -18,6 +18,8 @@ The output is sum_j g_j expert_j(x) + shared_experts(x). The bias moves after ev
 `update_router_biases`). Optional sequence-wise balance loss (the paper's eq. 17-20, weight alpha =
 `aux_loss_coef`, off by default): per sequence, f_i = E / (K T) * #tokens that chose i, P_i = mean over
 the sequence's tokens of s_i / sum_j s_j, loss = mean over sequences of sum_i f_i P_i (1.0 when balanced).
+Under context parallelism the per-sequence statistics are summed over the ranks holding the parts of the
+sequences (`sequence_group`): the loss is the whole sequences', as one process computes it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.moe import MoE, _local
+from trainer.models.moe import MoE, _local, _SumOverGroup
 
 
 class DeepSeekMoE(MoE):
@@ -69,15 +71,31 @@ class DeepSeekMoE(MoE):
         return logits, scores, chosen, weights * self.routed_scaling_factor
 
     def balance_loss(self, counts: torch.Tensor, probs: torch.Tensor, tokens: int, *,
-                     chosen: Optional[torch.Tensor] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+                     chosen: Optional[torch.Tensor] = None, seq_len: Optional[int] = None,
+                     counted: Optional[torch.Tensor] = None) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) before its weight alpha: 1.0 when every
-        sequence spreads its tokens evenly, E / K when each sequence sends all of them to the same K."""
+        sequence spreads its tokens evenly, E / K when each sequence sends all of them to the same K.
+
+        `counted` ([T] bool, `MoE.forward`): the tokens each sequence counts (T_b of them; the others are
+        padding). Under context parallelism (`sequence_group`, training forwards) each rank holds a part of
+        every sequence: the per-sequence picks, token counts and affinity sums are summed over the group, so
+        that the loss is the whole sequences' (the same value on every rank; `_SumOverGroup` gives each
+        rank's affinities their share of the gradient)."""
         del counts
         assert chosen is not None and seq_len is not None
         sequences = tokens // seq_len
+        weight = (torch.ones(tokens, device=probs.device, dtype=probs.dtype) if counted is None
+                  else counted.to(probs.dtype)).view(sequences, seq_len)
         normalized = probs / probs.sum(dim=-1, keepdim=True)  # s'_{i,t}
-        share = normalized.view(sequences, seq_len, self.n_experts).mean(dim=1)  # P_i per sequence
+        share_sum = (normalized.view(sequences, seq_len, self.n_experts) * weight[..., None]).sum(dim=1)
         picks = torch.zeros(sequences, self.n_experts, device=probs.device, dtype=probs.dtype)
-        picks.scatter_add_(1, chosen.view(sequences, -1), torch.ones_like(chosen, dtype=probs.dtype).view(sequences, -1))
-        frequency = picks * self.n_experts / (self.top_k * seq_len)  # f_i per sequence (no gradient)
+        picks.scatter_add_(1, chosen.view(sequences, -1),
+                           weight[..., None].expand(-1, -1, self.top_k).reshape(sequences, -1))
+        length = weight.sum(dim=1, keepdim=True)  # T_b
+        if self.sequence_group is not None and self.training:
+            summed = _SumOverGroup.apply(torch.cat([picks, length, share_sum], dim=1), self.sequence_group)
+            picks, length, share_sum = summed.split([self.n_experts, 1, self.n_experts], dim=1)
+            picks, length = picks.detach(), length.detach()
+        frequency = picks * self.n_experts / (self.top_k * length)  # f_i per sequence (no gradient)
+        share = share_sum / length  # P_i per sequence
         return (frequency * share).sum(dim=-1).mean()

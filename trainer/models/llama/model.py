@@ -198,6 +198,9 @@ class CoreAttention(nn.Module):
 
     # Set under context parallelism: q, k, v then hold this rank's tokens only (see context_parallel.py).
     context_parallel: Optional[ContextParallel] = None
+    # The softmax scale of `local_attention`, which the ring's own kernels use too; None: 1 / sqrt(head
+    # width), SDPA's default (a subclass with another scale, MLA's, sets it).
+    scale: Optional[float] = None
 
     def __init__(self, grouped: bool) -> None:
         super().__init__()
@@ -208,7 +211,7 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.context_parallel is not None:
-            return self.context_parallel.attention(q, k, v, self.local_attention, doc_ids=doc_ids)
+            return self.context_parallel.attention(q, k, v, self.local_attention, doc_ids=doc_ids, scale=self.scale)
         return self.local_attention(q, k, v, doc_ids)
 
     def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from trainer.interfaces.inventory import ModelInventory
@@ -16,6 +17,15 @@ from trainer.models.qwen3.model import Qwen3, Qwen3Config
 
 
 class Qwen3Family(DecoderFamily):
+    """Every strategy runs Qwen3, dense and MoE (nothing in `unsupported_parallelism`): tensor and context
+    parallelism split it as they split the Llama (the q/k norms declared as per-head norms; the pooled
+    balance loss sums its statistics over the cp ranks), and so does pipeline parallelism. The MoE
+    variant's balance loss pools the routing statistics of all MoE layers of one forward (each layer's
+    gradient has a coefficient that depends on every layer's counts): each stage passes the sums of the
+    layers up to its own on with the hidden states, and the last stage sends the whole model's back as the
+    gradient of that extra stage output (`carry_into_stage`, `carry_out_of_stage`; `_CarryBalanceOn` in
+    model.py), so every stage's backward has them, with every schedule and any number of micro-batches."""
+
     name = "qwen3"
     config_class = Qwen3Config
     model_class = Qwen3
@@ -30,18 +40,17 @@ class Qwen3Family(DecoderFamily):
     def tensor_parallel_sizes(self, config: Qwen3Config) -> list[tuple[str, int, str]]:
         return gqa_sizes(config)
 
-    def unsupported_parallelism(self, config: Qwen3Config, *, tp: int, pp: int, cp: int) -> Optional[tuple[str, str]]:
-        """Tensor and context parallelism split Qwen3 as they split the Llama (q/k norms declared as per-head
-        norms; the pooled balance loss sums its statistics over the cp ranks). The MoE variant's balance
-        loss pools the routing statistics of all MoE layers of one forward (each layer's gradient has a
-        coefficient that depends on every layer's counts), which pipeline stages would have to exchange
-        between the last forward and the first backward: pp is refused for it while the loss is on."""
-        del tp, cp
-        if pp > 1 and config.is_moe and config.router_aux_loss_coef > 0:
-            return "pp", (f"pp={pp}: the Qwen3-MoE balance loss pools every MoE layer's routing statistics of a "
-                          f"forward, which pipeline stages cannot share yet (model {config.name}); use tp, cp, ep "
-                          "or data parallelism, or model.router_aux_loss_coef=0 to pipeline it without the loss")
-        return None
+    # ---- pipeline: the pooled balance statistics travel with the hidden states ------------------------
+    def carry_into_stage(self, model: nn.Module, carried: tuple[torch.Tensor, ...]) -> None:
+        model.pipeline_carried = tuple(carried)  # type: ignore[assignment]
+
+    def carry_out_of_stage(self, model: nn.Module) -> tuple[torch.Tensor, ...]:
+        carried: tuple[torch.Tensor, ...] = model.pipeline_carry_out  # type: ignore[assignment]
+        model.pipeline_carry_out = ()  # type: ignore[assignment]
+        return carried
+
+    def moe_layer_keys(self, config: Qwen3Config) -> list[str]:
+        return [str(i) for i in config.sparse_layers] if config.is_moe else []
 
     def unsupported_planning(self, config: Qwen3Config) -> Optional[tuple[str, str]]:
         sparse = config.sparse_layers

@@ -17,7 +17,9 @@ attention, SwiGLU) with what Qwen3 adds, checked against transformers' `modeling
 - **load-balancing loss** as transformers' `load_balancing_loss_func` defines it for Qwen3-MoE: pooled
   over the MoE layers of one forward, `E * sum_e F_e * P_e` with F_e the assignments to expert e over all
   layers' T x k choices divided by (layers x T) (so sum_e F_e = k) and P_e the mean router probability of e
-  over all layers' rows; added to the loss times `router_aux_loss_coef` (see `PooledBalance`).
+  over all layers' rows; added to the loss times `router_aux_loss_coef` (see `PooledBalance`). Under
+  pipeline parallelism the stages pass these sums forward beside the hidden states and the whole model's
+  back as their gradient (`_CarryBalanceOn`, `_CarryBalanceEnd`), so every stage trains the pooled loss.
 
 Module and parameter names are the Llama's (`attention.wq`, `attention_norm`, `feed_forward.w1`, ...) so
 that the project's name-based tools (activation checkpointing's `core_attention`, weight-decay groups,
@@ -199,21 +201,39 @@ class PooledBalance:
     every layer's counts: each layer hands its s_l to `_PooledBalanceLoss`, whose backward reads F from
     this object once the whole forward has run (the backward always follows the forward it belongs to).
     A new pool is made per forward and captured by that forward's graph, so micro-batches never mix.
+
+    Under pipeline parallelism a stage holds some of the layers: its pool starts from the sums of the
+    earlier stages' layers (`carried`, which the previous stage passed on with the hidden states), so that
+    the last stage's pool holds every layer after its forward, and the other stages' pools are completed
+    with the whole model's sums (`complete`) when their backward begins (`_CarryBalanceOn`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, carried: Optional[torch.Tensor] = None, layers: int = 0) -> None:
         self.counts: Optional[torch.Tensor] = None  # [E] assignments summed over the layers
         self.prob_sums: Optional[torch.Tensor] = None  # [E] router probabilities summed (detached)
-        self.layers = 0
+        self.layers = layers  # the layers summed (under pp: the earlier stages' count from their start)
         self.tokens = 0
+        if carried is not None:
+            self.counts, self.prob_sums = carried.detach().float().clone().chunk(2)
 
     def add(self, counts: torch.Tensor, prob_sum: torch.Tensor, tokens: int) -> None:
         """Count one MoE layer's forward (not its activation-checkpointing recompute)."""
         counts, prob_sum = counts.detach().float(), prob_sum.detach().float()
-        self.counts = counts if self.counts is None else self.counts + counts
-        self.prob_sums = prob_sum if self.prob_sums is None else self.prob_sums + prob_sum
+        self.counts = counts if self.counts is None else self.counts + counts.to(self.counts.device)
+        self.prob_sums = prob_sum if self.prob_sums is None else self.prob_sums + prob_sum.to(self.prob_sums.device)
         self.layers += 1
         self.tokens = tokens  # every layer routes the same tokens
+
+    def sums(self, n_experts: int, device: torch.device) -> torch.Tensor:
+        """[2E]: the assignment counts and the probability sums so far (zeros before any MoE layer)."""
+        if self.counts is None or self.prob_sums is None:
+            return torch.zeros(2 * n_experts, device=device)
+        return torch.cat([self.counts, self.prob_sums]).to(device)
+
+    def complete(self, whole: torch.Tensor, layers: int) -> None:
+        """Replace the sums by those of the whole model's `layers` MoE layers (`sums` of the last stage)."""
+        self.counts, self.prob_sums = whole.detach().float().clone().chunk(2)
+        self.layers = layers
 
     def fractions(self) -> torch.Tensor:
         """F_e: assignments per routed row, pooled over the layers (sums to top_k)."""
@@ -240,6 +260,51 @@ class _PooledBalanceLoss(torch.autograd.Function):
         pool: PooledBalance = ctx.pool
         fractions = pool.fractions().to(grad.device)
         return grad * fractions.numel() * fractions / (pool.layers * pool.tokens), None, None
+
+
+class _CarryBalanceOn(torch.autograd.Function):
+    """The exit of a pipeline stage before the last: the hidden states pass unchanged, and a second output
+    carries the pool's sums so far (the earlier stages' layers and this stage's) to the next stage.
+
+    Backward: the gradient that comes back for the carried sums is not a gradient but the whole model's
+    sums (the last stage's `_CarryBalanceEnd` sends them back as such); they complete this forward's pool
+    and go on to the previous stage as the "gradient" of what it carried in. This node is where the hidden
+    states' gradient enters the stage, and every layer's `_PooledBalanceLoss` lies behind the hidden states,
+    so autograd runs it first: the pool is complete before any of them reads it (the zero-bubble schedules'
+    input-gradient pass runs it as well, on the way to the stage's input)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, carried_in: Optional[torch.Tensor], pool: PooledBalance,
+                n_experts: int, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.pool, ctx.layers, ctx.carried = pool, layers, carried_in is not None
+        device = carried_in.device if carried_in is not None else h.device
+        # the same storage, not an autograd view: a stage output must be detachable in place (the
+        # zero-bubble schedules' input-gradient pass detaches it)
+        return h.detach(), pool.sums(n_experts, device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_h: torch.Tensor, whole: Optional[torch.Tensor]) -> tuple[Any, ...]:
+        if whole is not None:
+            ctx.pool.complete(whole, ctx.layers)
+        return grad_h, whole if ctx.carried else None, None, None, None
+
+
+class _CarryBalanceEnd(torch.autograd.Function):
+    """On the last pipeline stage: the hidden states pass unchanged; the backward returns the pool's sums,
+    complete after the forward (every MoE layer of the model), as the gradient of what the previous stage
+    carried in, which sends them back through the stages (`_CarryBalanceOn`)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, carried_in: torch.Tensor, pool: PooledBalance,
+                n_experts: int) -> torch.Tensor:
+        ctx.pool, ctx.n_experts = pool, n_experts
+        ctx.meta = (carried_in.device, carried_in.dtype)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad_h: torch.Tensor) -> tuple[Any, ...]:
+        device, dtype = ctx.meta
+        return grad_h, ctx.pool.sums(ctx.n_experts, device).to(dtype), None, None
 
 
 class Qwen3MoE(MoE):
@@ -308,12 +373,22 @@ class Qwen3(CausalLM):
 
     The model-level glue (embedding, RoPE table, final norm, head, document masking, stage-shaped
     forward) is the Llama's: set ``tok_embeddings`` / ``norm`` / ``output`` to None or delete entries of
-    ``layers`` for a pipeline stage (`Qwen3Family.unsupported_parallelism` says what cannot be split).
+    ``layers`` for a pipeline stage.
+
+    Under pipeline parallelism with the pooled balance loss on, a stage passes the routing statistics of
+    the layers up to its own to the next stage beside the hidden states, and the last stage sends the whole
+    model's back as their gradient (`_CarryBalanceOn`, `_CarryBalanceEnd`): `pipeline_carried` and
+    `pipeline_carry_out`, which the family's `carry_into_stage` / `carry_out_of_stage` set and read.
     """
 
     # The pooled routing statistics of the latest forward (MoE only; `PooledBalance.value()` is the
-    # aux loss transformers reports for it).
+    # aux loss transformers reports for it; under pp, on the last stage, or on the others after the backward).
     last_balance: Optional[PooledBalance] = None
+    # Under pipeline parallelism, set before each forward of a stage: what the previous stage passed on
+    # beside the hidden states (() on the first stage; None outside a pipeline). Read once by the forward.
+    pipeline_carried: Optional[tuple[torch.Tensor, ...]] = None
+    # What the latest forward of a stage before the last passes on to the next stage.
+    pipeline_carry_out: tuple[torch.Tensor, ...] = ()
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -354,7 +429,17 @@ class Qwen3(CausalLM):
         """Token ids ``[B, S]`` (or hidden states ``[B, S, dim]`` without ``tok_embeddings``). ``doc_ids``
         (``[B, S]``, `trainer.models.documents`): attention within documents, positions restarting at each."""
         doc_ids = self.pipeline_doc_ids if doc_ids is None else doc_ids
-        pool = PooledBalance()  # this forward's routing statistics (Qwen3-MoE's pooled balance loss)
+        carried, self.pipeline_carried = self.pipeline_carried, None
+        cfg = self.config
+        # a pipeline stage of a model whose balance loss pools over the layers of every stage
+        pooled_stage = carried is not None and cfg.is_moe and cfg.router_aux_loss_coef > 0
+        carried_in = carried[0] if pooled_stage and carried else None
+        # this forward's routing statistics (Qwen3-MoE's pooled balance loss); on a later pipeline stage,
+        # from the sums of the earlier stages' MoE layers on
+        pool = PooledBalance()
+        if carried_in is not None:
+            first = min(int(key) for key in self.layers)
+            pool = PooledBalance(carried_in, layers=sum(1 for i in cfg.sparse_layers if i < first))
         for moe in self.moe_layers():
             moe.balance_pool = pool
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -372,6 +457,12 @@ class Qwen3(CausalLM):
         for layer in self.layers.values():
             h = layer(h, rope_cache, doc_ids)
         self.last_balance = pool
+        if pooled_stage:
+            if self.output is None:  # a stage before the last: carry the sums on, get the whole model's back
+                h, sums = _CarryBalanceOn.apply(h, carried_in, pool, cfg.n_experts, len(cfg.sparse_layers))
+                self.pipeline_carry_out = (sums,)
+            elif carried_in is not None:  # the last stage: its pool holds every layer; send the sums back
+                h = _CarryBalanceEnd.apply(h, carried_in, pool, cfg.n_experts)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
