@@ -218,7 +218,7 @@ GPT_MATERIALIZED = [*GPT, "model.attn_impl=materialized"]
 # STEPS steps (validation at the middle and the end): a wrong shard, mask or reduction moves the loss by 1e-3
 # or more from the first step; the tolerances below were measured over 20 steps, where rounding differences
 # had longer to grow, and bound these runs too.
-STEPS = 8
+STEPS = 4
 LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", "trainer.micro_batch_size=8", f"trainer.max_steps={STEPS}",
         "trainer.log_every=1", f"trainer.val_every={STEPS // 2}", "trainer.val_batches=1", "lr_schedule.warmup_steps=2",
         "data.max_bytes=1000000", "callbacks=none"]
