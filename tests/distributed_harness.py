@@ -31,6 +31,7 @@ from trainer.collectives import (DEFAULT_FR_ENTRIES, enable_flight_recorder, fli
                                  group_names)
 from trainer.config import compose  # noqa: E402
 from trainer.launch import configure_worker_logging  # noqa: E402
+from trainer.preemption import TrainingPreempted  # noqa: E402
 from trainer.run import build_trainer  # noqa: E402
 
 
@@ -62,7 +63,10 @@ def main() -> None:
         first_record = next_record_id() if count else 0  # after the config's broadcast: the run's own calls
         run_log = run_logging(rank, run_dir)
         trainer = build_trainer(cfg, run_dir)
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except TrainingPreempted as stopped:  # a run a test signals: saved, then stopped (trainer/preemption.py)
+            summary = {"preempted": str(stopped), "steps": stopped.step}
         if count:
             summary["collective_calls"] = collective_calls(first_record, trainer.strategy.dims)
             summary["fsdp_units"] = sum(isinstance(m, FSDPModule) for part in trainer.model_parts

@@ -9,14 +9,18 @@ from trainer.callback import Callback
 
 
 class FailOnRank(Callback):
-    """Raise on one rank at one step, to check that the whole job ends with that rank's error."""
+    """Raise on one rank at one step (or send its own process `signal`, e.g. 9 for SIGKILL), to check that
+    the whole job ends with that rank's error."""
 
-    def __init__(self, rank: int = 1, step: int = 2) -> None:
+    def __init__(self, rank: int = 1, step: int = 2, signal: int = 0) -> None:
         self.rank = rank
         self.step = step
+        self.signal = signal
 
     def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
         if trainer.strategy.rank == self.rank and trainer.step == self.step:
+            if self.signal:
+                os.kill(os.getpid(), self.signal)
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
 
@@ -267,6 +271,32 @@ class StopBeforeCollective(Callback):
 
         if _armed(trainer, self.rank, self.attempt) and trainer.step + 1 == self.step:
             time.sleep(3600)
+
+
+class FreezeRank(Callback):
+    """One rank SIGSTOPs its own process at the start of step `step` (or before its `backward`-th backward
+    of that step) in one elastic attempt (a frozen rank:
+    it writes no hang report and ignores SIGTERM)."""
+
+    def __init__(self, rank: int, step: int, attempt: int = 0, backward: int = 0) -> None:
+        self.rank, self.step, self.attempt, self.backward = rank, step, attempt, backward
+        self.backwards = 0
+
+    def _freeze(self, trainer: Any) -> None:
+        import signal
+
+        if _armed(trainer, self.rank, self.attempt) and trainer.step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
+        self.backwards = 0
+        if not self.backward:  # before the step's forwards
+            self._freeze(trainer)
+
+    def on_before_backward(self, trainer: Any, loss: Any) -> None:
+        self.backwards += 1
+        if self.backwards == self.backward:  # before that micro-batch's backward: the others' DDP all-reduce waits
+            self._freeze(trainer)
 
 
 class SleepInForward(Callback):

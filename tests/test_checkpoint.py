@@ -13,13 +13,16 @@ whose rank 1 is SIGKILLed twice. The 3d exact resume (pp=2 x dp=2 x tp=2) runs i
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ import torch
 from trainer.callback import Callback
 from trainer.checkpoint import (
     CheckpointCorruptError,
+    CheckpointNoSpaceError,
     RetentionPolicy,
     complete_checkpoints,
     latest_complete_checkpoint,
@@ -38,6 +42,7 @@ from trainer.checkpoint import (
 from trainer.checkpoint.storage import UnsafeCheckpointError, read_metadata
 from tests.launch_pool import POOL
 from trainer.config import compose
+from trainer.preemption import PreemptionSignals, TrainingPreempted
 from trainer.run import build_trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,15 +72,17 @@ TP_DP = ["strategy=3d", "strategy.data_parallel=zero1", "tp=2", "pp=1", "trainer
 
 # ---- callbacks the runs use (importable by the workers as tests.test_checkpoint.*) -----------------------
 class SignalAtStep(Callback):
-    """Send SIGTERM to this process (on one rank) just before step `step` runs, as a scheduler would."""
+    """Send SIGTERM (or `signum`) to this process (on one rank) just before step `step` runs, as a scheduler
+    would."""
 
-    def __init__(self, step: int, rank: int = 0) -> None:
+    def __init__(self, step: int, rank: int = 0, signum: str = "SIGTERM") -> None:
         self.step = step
         self.rank = rank
+        self.signum = signal.Signals[signum]
 
     def on_train_batch_start(self, trainer: Any, batch: Any) -> None:
         if trainer.step == self.step - 1 and trainer.strategy.rank == self.rank:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 class StopAfterSteps(Callback):
@@ -286,14 +293,22 @@ def single_straight(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float
     return column(run_dir)
 
 
-def test_single_process_sigterm_saves_stops_and_resume_auto_continues_exactly(
-        tmp_path: Path, single_straight: dict[int, float]) -> None:
-    first = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + helper("signal", step=HALF)), tmp_path)
-    first.fit()
-    assert first.step == HALF and first.should_stop
+@pytest.mark.parametrize(("callbacks", "signum"), [(CHECKPOINTS, "SIGTERM"), (["callbacks=none"], "SIGUSR1")],
+                         ids=["manager-sigterm", "no-callbacks-sigusr1"])
+def test_single_process_signal_saves_stops_and_resume_auto_continues_exactly(
+        tmp_path: Path, single_straight: dict[int, float], callbacks: list[str], signum: str) -> None:
+    """The loop owns the preemption signals (trainer/preemption.py) whatever the callbacks: with the manager
+    the save is one of its checkpoints, without one it goes to <run_dir>/checkpoints the same way."""
+    first = build_trainer(compose(BASE + SINGLE + callbacks + helper("signal", step=HALF, signum=signum)), tmp_path)
+    with pytest.raises(TrainingPreempted, match=f"preempted by {signum} at step {HALF}: checkpoint .*step_{HALF:08d}"):
+        first.fit()
+    assert first.step == HALF and first.preempted_by == signum
     assert [c.name for c in complete_checkpoints(tmp_path / "checkpoints")] == [half_checkpoint(tmp_path).name]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the manager put the default handler back
+    assert json.loads((half_checkpoint(tmp_path) / "checkpoint.json").read_text())["reason"] == "signal"
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # the loop put the handlers back
+        assert signal.getsignal(number) in (signal.SIG_DFL, signal.default_int_handler)
     assert sorted(column(tmp_path)) == list(range(1, HALF + 1))
+    assert sorted(column(tmp_path, "val_loss")) == [HALF]  # the step's scheduled validation ran before the stop
     # resume=auto (the default) in the same run directory picks the checkpoint up
     resumed = build_trainer(compose(BASE + SINGLE), tmp_path)
     assert resumed.step == HALF and resumed.tokens_seen == HALF * 8 * 32
@@ -303,6 +318,27 @@ def test_single_process_sigterm_saves_stops_and_resume_auto_continues_exactly(
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert [losses[s] for s in range(1, STEPS + 1)] == [single_straight[s] for s in range(1, STEPS + 1)]
     assert sorted(column(tmp_path, "val_loss")) == [HALF, STEPS]
+    with open(tmp_path / "metrics.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")] == list(range(1, STEPS + 1))
+
+
+def test_a_repeated_signal_within_the_window_is_one_notice_a_later_one_acts_as_usual(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    watched = PreemptionSignals(["SIGUSR1"])
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: seen.append(number))
+    try:
+        watched.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the terminal's and the launcher's copy of one Ctrl-C
+        assert watched.received == signal.SIGUSR1 and seen == []
+        clock = time.monotonic() + 10.0
+        monkeypatch.setattr("trainer.preemption.time.monotonic", lambda: clock)
+        os.kill(os.getpid(), signal.SIGUSR1)  # later: the handler before ours takes it
+        assert seen == [signal.SIGUSR1]
+        watched.restore()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_an_exception_saves_the_state_and_the_run_resumes_from_it(
@@ -488,3 +524,89 @@ def test_checkpoint_loading_refuses_code_in_metadata_and_values(tmp_path: Path) 
     metadata.write_bytes(pickle.dumps(Payload()))
     with pytest.raises(UnsafeCheckpointError, match="refusing to load builtins.print"):
         read_metadata(metadata.parent)
+
+
+# ---- a full disk (a fake one: shutil.disk_usage and DCP's writes are patched; no tmpfs here) -----------------
+class FullDiskAtStep(Callback):
+    """From step `step` on, the disk of the checkpoint directory reports `free` bytes (before a save), or
+    (`enospc`) the writes of the save fail with ENOSPC after the first file's write began."""
+
+    def __init__(self, step: int, free: int = 1000, enospc: bool = False) -> None:
+        self.step, self.free, self.enospc = step, free, enospc
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        if trainer.step != self.step:
+            return
+        from torch.distributed.checkpoint import filesystem
+
+        import trainer.checkpoint.space as space
+
+        if self.enospc:
+            original = filesystem._write_item
+
+            def write_item(*args: Any, **kwargs: Any) -> Any:
+                original(*args, **kwargs)  # part of the checkpoint is on disk, then the disk is full
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            filesystem._write_item = write_item
+        else:
+            usage = space.shutil.disk_usage
+            space.shutil = type("FakeShutil", (), {"disk_usage": staticmethod(
+                lambda path: usage(path)._replace(free=self.free))})
+        PATCHED.append(self.enospc)
+
+
+PATCHED: list[bool] = []
+HELPERS["full_disk"] = FullDiskAtStep
+
+
+@pytest.fixture
+def restore_disk() -> Any:
+    from torch.distributed.checkpoint import filesystem
+
+    import trainer.checkpoint.space as space
+
+    write_item, real_shutil = filesystem._write_item, space.shutil
+    yield
+    filesystem._write_item, space.shutil = write_item, real_shutil
+    PATCHED.clear()
+
+
+@pytest.mark.parametrize("enospc", [False, True], ids=["refused-before", "enospc-during"])
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_which_disk_and_sizes(
+        tmp_path: Path, single_straight: dict[int, float], restore_disk: Any, enospc: bool) -> None:
+    """Saves every HALF steps; the disk is full before the save of step STEPS: refused with the sizes before
+    anything is written, or ENOSPC while writing (the partial save removed). The checkpoint of step HALF
+    stays and resume=auto continues from it exactly, metrics.csv holding each step once."""
+    overrides = BASE + SINGLE + CHECKPOINTS + [f"callbacks.checkpoint.every_n_steps={HALF}"]
+    failing = build_trainer(compose(overrides + helper("full_disk", step=STEPS - 1, enospc=enospc)), tmp_path)
+    with pytest.raises(CheckpointNoSpaceError) as raised:
+        failing.fit()
+    assert PATCHED == [enospc]
+    message = str(raised.value)
+    assert "\n" not in message
+    mount = re.escape(str(space_disk_of(tmp_path)))
+    if enospc:
+        assert re.fullmatch(rf"no space left on {mount} while writing the checkpoint of step {STEPS} \(\d+\.\d [kMG]B "
+                            rf"expected, .* free after removing the partial save \.step_{STEPS:08d}\.partial\); the last "
+                            rf"complete checkpoint .*step_{HALF:08d} is kept", message), message
+    else:
+        assert re.fullmatch(rf"the checkpoint of step {STEPS} needs \d+\.\d [kMG]B, 1\.0 kB free on {mount} "
+                            rf"\({re.escape(str(tmp_path / 'checkpoints'))}\): free some space or point the checkpoint "
+                            "directory at another disk", message), message
+    # the previous checkpoint is kept, nothing partial is left behind
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [half_checkpoint(tmp_path).name]
+    failing = None
+    resumed = build_trainer(compose(BASE + SINGLE), tmp_path)
+    assert resumed.step == HALF
+    resumed.fit()
+    losses = column(tmp_path)
+    with open(tmp_path / "metrics.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")] == list(range(1, STEPS + 1))
+    assert [losses[s] for s in range(1, STEPS + 1)] == [single_straight[s] for s in range(1, STEPS + 1)]
+
+
+def space_disk_of(path: Path) -> Path:
+    from trainer.checkpoint.space import disk_of
+
+    return disk_of(path)[0]

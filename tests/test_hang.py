@@ -2,8 +2,9 @@
 4-process jobs with injected faults (tests/helpers.py) that must end with a diagnosis naming the rank, the
 operation and the group, then restart (trainer.max_restarts=1), resume and finish.
 
-The jobs run at once (three `python -m trainer` processes of 4 workers) to save CI time; nothing here
-asserts a duration: a hang test checks the diagnosis and that the job ended and finished after its restart.
+The jobs run at once (three `python -m trainer` processes of 4 workers, one of 2) to save CI time; nothing
+here asserts a duration: a hang test checks the diagnosis and that the job ended and finished after its
+restart (a frozen rank: that the watchdog killed it, rather than the agent after its 30 s grace).
 """
 
 from __future__ import annotations
@@ -12,18 +13,24 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
 from tests.launch_pool import POOL
+from trainer.collectives import normalize_fr_entry
 from trainer.commcheck import format_table
 from trainer.config import ConfigError, compose, validate
 from trainer.diagnosis import diagnose, format_ranks
-from trainer.hang import straggler_metrics
+from trainer.hang import process_state, straggler_metrics
+from trainer.launch import describe_failure
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=128"]
@@ -52,6 +59,10 @@ JOBS = {
     # a pipeline stage that skips its send of micro-batch 1 (pp2 x dp2, stage 0 of dp rank 1)
     "skip_send_pp2_dp2": PP2_DP2 + ["trainer.max_steps=6"] + helper("skip", "SkipPipelineSend", rank=1, step=3,
                                                                       microbatch=1),
+    # a frozen rank (SIGSTOP) in a 2-process ddp run, before its last backward of step 3: rank 0 waits in
+    # DDP's bucket all-reduce, issued from autograd's hooks while its Python stack is in the backward
+    "freeze_ddp2": DP4 + ["trainer.devices=2", "trainer.max_steps=6"] + helper("freeze", "FreezeRank", rank=1,
+                                                                               step=3, backward=2),
 }
 
 
@@ -62,8 +73,8 @@ def report(rank: int, *, location: str = "x.py:1 (f)", collectives: list | None 
             "collectives": collectives or [], "p2p": p2p or [], "groups": groups or {}}
 
 
-def coll(seq: int, op: str = "all_reduce", pg: str = "1", group: str = "dp") -> dict[str, Any]:
-    return {"op": op, "pg": pg, "group": group, "seq": seq, "p2p": False}
+def coll(seq: int, op: str = "all_reduce", pg: str = "1", group: str = "dp", pending: bool = False) -> dict[str, Any]:
+    return {"op": op, "pg": pg, "group": group, "seq": seq, "p2p": False, "pending": pending, "created_ns": seq}
 
 
 def test_format_ranks() -> None:
@@ -100,6 +111,99 @@ def test_diagnosis_with_every_collective_entered_names_where_each_rank_is() -> N
     reports = {r: report(r, collectives=[coll(3)], location=f"loop.py:{r} (fit)") for r in range(2)}
     text = diagnose(reports, 2, 5.0)
     assert "rank 0 is not in a collective: it is in loop.py:0 (fit)" in text and "never entered" not in text
+
+
+AUTOGRAD = ("trainer/interfaces/strategy.py:303 (microbatch_backward), inside torch's autograd/graph.py:979 "
+            "(_engine_run_backward)")
+
+
+def test_diagnosis_names_the_collective_issued_from_autograd_and_the_rank_without_report() -> None:
+    """A frozen rank 1 writes nothing; rank 0's Python stack is in the backward, its flight recorder holds
+    DDP's bucket all-reduces (#27 and #28) that have not completed."""
+    groups = {"1": {"name": "dp_replicate", "ranks": [0, 1]}}
+    reports = {0: report(0, location=AUTOGRAD, groups=groups,
+                         collectives=[coll(26, "broadcast"), coll(27, pending=True), coll(28, pending=True)])}
+    text = diagnose(reports, 2, 20.0, "run/hang", {1: "its process (pid 812) is stopped"})
+    assert "rank 0 waits in all_reduce #27 of the dp_replicate group for rank 1, which wrote no report" in text, text
+    assert "rank 1 wrote no report: its process (pid 812) is stopped" in text
+    assert "not in a collective" not in text
+    # without rank 0's knowledge of rank 1's process: the generic reasons
+    assert "rank 1 wrote no report (dead, or stuck without releasing the GIL)" in diagnose(reports, 2, 20.0)
+
+
+def test_diagnosis_names_whom_the_ranks_in_an_unfinished_collective_wait_for() -> None:
+    groups = {"1": {"name": "dp", "ranks": [0, 1, 2, 3]}}
+    # ranks 0, 2 and 3 all issued #9 (so sequence numbers alone name nobody); rank 1 wrote nothing
+    reports = {r: report(r, location=AUTOGRAD, groups=groups, collectives=[coll(8), coll(9, pending=True)])
+               for r in (0, 2, 3)}
+    text = diagnose(reports, 4, 20.0)
+    assert "ranks 0, 2 and 3 wait in all_reduce #9 of the dp group for rank 1, which wrote no report" in text, text
+    # a rank behind in the group (its last is #8) is the one waited for, and named with where it is
+    groups = {"1": {"name": "dp", "ranks": [0, 1]}}
+    behind = report(1, location="model.py:5 (forward)", groups=groups, collectives=[coll(8)])
+    ahead = report(0, location=AUTOGRAD, groups=groups, collectives=[coll(8), coll(9, pending=True)])
+    text = diagnose({1: behind, 0: ahead}, 2, 20.0)
+    assert "rank 0 waits in all_reduce #9 of the dp group" in text, text
+    assert ("rank 1 never entered all_reduce #9 of the dp group (its last in that group is #8): it is in "
+            "model.py:5 (forward)") in text, text
+
+
+def test_an_unfinished_collective_every_member_issued_names_no_waiting() -> None:
+    """A work not yet released (every member issued it) says nothing about where a rank waits."""
+    groups = {"1": {"name": "dp", "ranks": [0, 1]}}
+    reports = {r: report(r, location=f"loop.py:{r} (fit)", groups=groups, collectives=[coll(5, pending=True)])
+               for r in range(2)}
+    text = diagnose(reports, 2, 20.0)
+    assert "rank 0 is not in a collective: it is in loop.py:0 (fit)" in text and " waits in " not in text
+
+
+def test_flight_recorder_entries_that_have_not_completed() -> None:
+    """gloo's entries stay `scheduled`: `retired` (the work done and released) tells; NCCL has a state."""
+    def entry(**fields: Any) -> dict[str, Any]:
+        return normalize_fr_entry({"process_group": ("1", ""), "profiling_name": "gloo:all_reduce",
+                                   "collective_seq_id": 9, "state": "scheduled", **fields}, {"1": "dp"})
+    assert entry(retired=False)["pending"] and not entry(retired=True)["pending"]
+    assert entry(retired=False)["group"] == "dp" and entry(retired=False)["op"] == "all_reduce"
+    assert not entry(state="completed", retired=False)["pending"] and entry(state="started", retired=False)["pending"]
+    assert not entry()["pending"]  # a recorder without the field: nothing is claimed
+
+
+def test_process_state_tells_a_stopped_process_from_a_running_and_a_gone_one() -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert process_state(child.pid) == "running"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(child.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_state(child.pid) == "stopped"
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) == "gone"
+
+
+def failure(tmp_path: Path, rank: int, exitcode: int, message: str = "") -> ProcessFailure:
+    error_file = tmp_path / f"error_{rank}.json"
+    if message:
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "",
+                                                                                      "timestamp": str(rank)}}}))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_a_failed_job_is_one_line_per_cause(tmp_path: Path) -> None:
+    killed = ChildFailedError("worker_main", {1: failure(tmp_path, 1, -9)})
+    assert describe_failure(killed).startswith("rank 1 failed: killed by signal 9 (SIGKILL)")
+    raised = ChildFailedError("worker_main", {0: failure(tmp_path, 0, 1, "RuntimeError: boom"),
+                                              2: failure(tmp_path, 2, 1, "RuntimeError: boom"),
+                                              3: failure(tmp_path, 3, -9)})
+    lines = describe_failure(raised).splitlines()
+    assert lines[0].startswith("ranks 0, 2 failed: RuntimeError: boom") and len(lines) == 2, lines
+    assert lines[1] == "rank 3 failed: killed by signal 9 (SIGKILL)"
+    # a hang diagnosis, whichever rank's failure the agent saw first
+    hang = ChildFailedError("worker_main", {1: failure(tmp_path, 1, -9),
+                                            0: failure(tmp_path, 0, 1, "hang: rank 0 ...")})
+    assert describe_failure(hang) == "hang: rank 0 ..."
 
 
 # ---- stragglers -----------------------------------------------------------------------------------------
@@ -160,7 +264,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     running = {}
     for name, overrides in JOBS.items():
-        command = [sys.executable, "-m", "trainer", *MODEL, *LOOP, *overrides, f"hydra.run.dir={out / name}"]
+        own = {override.split("=")[0] for override in overrides}
+        loop = [override for override in LOOP if override.split("=")[0] not in own]  # a job's own value wins
+        command = [sys.executable, "-m", "trainer", *MODEL, *loop, *overrides, f"hydra.run.dir={out / name}"]
         log = open(out / f"{name}.out", "w")
         running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env),
                          log)
@@ -173,14 +279,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subp
     return results
 
 
-def finished_after_restart(run_dir: Path, result: subprocess.CompletedProcess, steps: int) -> str:
+def finished_after_restart(run_dir: Path, result: subprocess.CompletedProcess, steps: int,
+                           reporting: range = range(4)) -> str:
     """The job's first attempt ended on the hang, the second resumed and finished: the diagnosis."""
     assert result.returncode == 0, result.stdout[-4000:]
     log = (run_dir / "train.log").read_text()
     assert "(restart 1)" in log, log[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
     reports = sorted(p.name for p in (run_dir / "hang.attempt0").glob("rank_*.txt"))
-    assert reports == [f"rank_{r}.txt" for r in range(4)]
+    assert reports == [f"rank_{r}.txt" for r in reporting]
     diagnosis = (run_dir / "hang.attempt0" / "diagnosis.txt").read_text().strip()
     assert diagnosis in log  # rank 0 logged it before the job ended
     return diagnosis
@@ -217,6 +324,26 @@ def test_a_pipeline_stage_that_skips_a_send_is_named(jobs: dict) -> None:
             "which rank 1 never sent") in diagnosis, diagnosis
     assert re.search(r"rank 3 never entered \w+ #\d+ of the dp_shard group \(its last in that group is #\d+; "
                      r"it is in the pipeline receive above\)", diagnosis), diagnosis
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_and_killed_and_the_collective_waited_in_is_named(jobs: dict) -> None:
+    run_dir, result = jobs["freeze_ddp2"]
+    diagnosis = finished_after_restart(run_dir, result, 6, reporting=range(1))  # the frozen rank 1 wrote none
+    assert diagnosis.startswith("hang: no progress within 10 s during step 3: ")
+    # rank 0's stack is in autograd's backward; the flight recorder's unfinished entry is DDP's all-reduce
+    assert re.search(r"rank 0 waits in all_reduce #\d+ of the dp_replicate group for rank 1, which wrote no report",
+                     diagnosis), diagnosis
+    assert re.search(r"rank 1 wrote no report: its process \(pid \d+\) is stopped .* killed with SIGKILL", diagnosis)
+    assert "(_engine_run_backward)" in (run_dir / "hang.attempt0" / "rank_0.txt").read_text()
+    # killed by the watchdog, not left to the agent's SIGTERM and its 30 s grace (which ends in the agent's
+    # "Unable to shutdown process ... forcefully exiting via Signals.SIGKILL", seen before this was built)
+    assert re.search(r"hang watchdog: killing rank 1 \(pid \d+\), which wrote no report, with SIGKILL",
+                     (run_dir / "train.log").read_text())
+    assert "Unable to shutdown process" not in (run_dir / "launcher.log").read_text()
+    # the console: the diagnosis, not the elastic agent's tracebacks (in the launcher's log)
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert "Traceback" in (run_dir / "launcher.log").read_text()
 
 
 @pytest.mark.slow

@@ -66,14 +66,25 @@ def test_devices_2_launches_workers_in_one_run_dir_and_only_rank0_speaks(tmp_pat
     assert f"final checkpoint: {final}" in out.strip().splitlines()[-1]
 
 
-def test_a_failing_rank_ends_the_job_with_its_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signal_number", "cause", "detail"), [
+    (0, "RuntimeError: injected failure on rank 1 at step 2", "raise RuntimeError(f\"injected failure"),
+    (9, "killed by signal 9 (SIGKILL)", "exitcode: -9")], ids=["exception", "sigkill"])
+def test_a_failing_rank_ends_the_job_with_one_line_and_its_details_in_the_launchers_log(
+        tmp_path: Path, signal_number: int, cause: str, detail: str) -> None:
     # A hang (the other rank waiting forever in a collective) fails through the subprocess timeout.
     result = trainer_cli("strategy=ddp", "trainer.devices=2", "trainer.max_steps=50", f"hydra.run.dir={tmp_path}",
                          "+callbacks.fail._target_=tests.helpers.FailOnRank", "+callbacks.fail.rank=1",
-                         "+callbacks.fail.step=2", timeout=600)
+                         "+callbacks.fail.step=2", f"+callbacks.fail.signal={signal_number}", timeout=600)
     assert result.returncode == 1
     out = result.stdout + result.stderr
-    assert "rank 1 failed" in out and "injected failure on rank 1 at step 2" in out, out[-3000:]
+    # one line for the one cause, naming the rank, what ended it and where the details are
+    failed = [line for line in out.splitlines() if "failed" in line]
+    assert failed == [f"error: rank 1 failed: {cause} (the launcher's log: {tmp_path / 'launcher.log'})"], out[-3000:]
+    # the elastic agent's error-level tracebacks are in that log, not on the console
+    assert "Traceback" not in out and "torch/distributed/elastic" not in out, out[-3000:]
+    launcher_log = (tmp_path / "launcher.log").read_text()
+    assert "Traceback" in launcher_log and detail in launcher_log, launcher_log[-3000:]
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "failed"
     assert not (tmp_path / "summary.json").exists()
 
 

@@ -179,3 +179,9 @@ class CheckpointProvider(Callback, ABC):
         decides, since a rank may see the shared file system a moment later); a save still in flight is
         finished first, so that it is listed.
         """
+
+    def save_for_preemption(self, trainer: "Trainer") -> Optional[Path]:
+        """Save the state of this step boundary now (collective, synchronous) because the run is being
+        preempted (trainer/preemption.py owns the signals and calls this), and return the checkpoint; None
+        (the default) lets the loop save into `resolve_directory(run_dir)` itself, in the same format."""
+        return None

@@ -7,6 +7,9 @@ or any data is read. Then the memory preflight (trainer/planner/preflight.py) co
 estimate with this machine's free memory: one line and exit status 3 when the run cannot fit. A named
 run directory is locked for the run (trainer/run_lock.py): a second run there is one line, exit status 2.
 A run that diverges (trainer.loop.TrainingDiverged) ends with one line, exit status 4, status.json `diverged`.
+A run stopped by a preemption signal (trainer/preemption.py) saves, writes status.json `preempted` with the
+step, prints one line and exits 75 (EX_TEMPFAIL: requeue it). A checkpoint that does not fit on its disk
+(trainer.checkpoint.CheckpointNoSpaceError) is one line, status.json `no_space`, exit status 5.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ log = logging.getLogger("trainer")
 EXIT_CONFIG_ERROR = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_DIVERGED = 4  # the loss or gradients went non-finite for trainer.max_nonfinite_steps steps, or the stabilizer gave up
+EXIT_NO_SPACE = 5  # a checkpoint did not fit on its disk (checked before the save, or ENOSPC while writing it)
+# EXIT_PREEMPTED = 75 (trainer/preemption.py): stopped by a signal after saving; resume=auto continues
 # The run directory Hydra makes when `hydra.run.dir` is not given (conf/config.yaml), up to its first
 # interpolation: what must be writable.
 DEFAULT_RUN_ROOT = "outputs"
@@ -175,9 +180,10 @@ def hydra_app(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from trainer.checkpoint.manifest import CheckpointError
+    from trainer.checkpoint.manifest import CheckpointError, CheckpointNoSpaceError
     from trainer.launch import describe_failure
     from trainer.loop import TrainingDiverged
+    from trainer.preemption import EXIT_PREEMPTED, TrainingPreempted
     from trainer.sweep import error_line, wandb_group, write_status
 
     hydra_cfg = HydraConfig.get()
@@ -188,11 +194,30 @@ def hydra_app(cfg: DictConfig) -> float | None:
         cfg.logger.wandb.group = wandb_group(hydra_cfg.sweep.dir)  # the runs of one sweep share a group
     try:
         summary = run_job(cfg, run_dir)
+    except TrainingPreempted as stopped:  # saved and flushed: not a failure, a job to start again
+        if writes_status:
+            write_status(run_dir, "preempted", str(stopped), step=stopped.step, signal=stopped.signal_name,
+                         checkpoint=str(stopped.checkpoint))
+        if _full_errors():
+            raise
+        if writes_status:  # rank 0 speaks (under torchrun every rank runs this app)
+            print(str(stopped), file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)  # also in a sweep: the machine is going away
+    except CheckpointNoSpaceError as error:  # a full disk: one line naming it and the sizes
+        if writes_status:
+            write_status(run_dir, "no_space", str(error))
+        if in_sweep:
+            log.error(f"job failed: {error}")
+            return None
+        if _full_errors():
+            raise
+        _fail(str(error), EXIT_NO_SPACE)
     except Exception as error:  # noqa: BLE001 - every failure of a job is recorded the same way
         message = describe_failure(error) if isinstance(error, ChildFailedError) else error_line(error)
         diverged = isinstance(error, TrainingDiverged) or "TrainingDiverged" in message
+        no_space = "CheckpointNoSpaceError" in message  # a worker's full disk (launched workers)
         if writes_status:
-            write_status(run_dir, "diverged" if diverged else "failed", message)
+            write_status(run_dir, "diverged" if diverged else "no_space" if no_space else "failed", message)
         if in_sweep:  # the sweep goes on with the next job
             log.error(f"job {'diverged' if diverged else 'failed'}: {message}", exc_info=not isinstance(
                 error, (ConfigError, DoesNotFitError, CheckpointError, ChildFailedError, TrainingDiverged)))
@@ -209,7 +234,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
             _fail(str(error).splitlines()[0] if isinstance(error, TrainingDiverged) else message, EXIT_DIVERGED)
         if isinstance(error, ChildFailedError):
             log.error(f"error: {message}")
-            sys.exit(1)
+            sys.exit(EXIT_NO_SPACE if no_space else 1)
         raise
     if summary is None:
         return None

@@ -14,6 +14,11 @@ Two sources, because no single hook sees every path on both backends (checked on
   among this step's ops towards that peer (the micro-batch for one stage per rank), issue time, and the
   time its `wait()` returned (None while pending).
 
+Which collective a rank is in right now: its flight recorder's oldest entry that is not completed
+(`fr_entry_pending`). That holds for collectives issued from C++ while the Python stack shows something
+else (DDP's bucket all-reduces from autograd's hooks and its reducer, waited for at the end of the
+backward; FSDP's reduce-scatter; DTensor's functional collectives).
+
 Not covered: blocking `dist.send`/`dist.recv` outside the pipeline on gloo (the project has none), and on
 gloo the completion time of collectives (a hang is diagnosed from sequence numbers instead: members whose
 last number in a group is behind the others never entered the collective the others wait in).
@@ -92,7 +97,19 @@ def normalize_fr_entry(entry: dict[str, Any], names: dict[str, str]) -> dict[str
         "started_ns": entry.get("time_discovered_started_ns"),
         "completed_ns": entry.get("time_discovered_completed_ns"),
         "state": entry.get("state"),
+        "pending": fr_entry_pending(entry),
     }
+
+
+def fr_entry_pending(entry: dict[str, Any]) -> bool:
+    """Whether a flight-recorder entry's collective has not completed on this rank: NCCL's state, or on gloo
+    (whose entries stay `scheduled`) `retired` false: the recorder retires an entry when its work is done
+    and released, so a DDP bucket's all-reduce, an FSDP reduce-scatter or our own call that waits for a
+    peer stays unretired (checked on torch 2.13 with gloo: a stopped peer leaves DDP's two bucket
+    all-reduces of the step unretired, every earlier one retired)."""
+    if entry.get("state") == "completed":
+        return False
+    return entry.get("retired") is False
 
 
 class _TimedWork:

@@ -10,7 +10,14 @@ Reading rules:
 - collectives are matched per process group by the group's sequence number, the same on every member:
   the members whose last number is the group's highest wait in that collective, the members behind never
   entered it;
-- every rank not named by those rules is "not in a collective", with where its main thread is.
+- a rank not named by those rules whose flight recorder holds a collective that has not completed (a
+  DDP bucket all-reduce issued from autograd's hooks, an FSDP reduce-scatter: the Python stack shows the
+  backward, not the collective) waits in the oldest such one, for the members of its group that wrote no
+  report or never issued it (when there is no such member, the entry tells nothing and the rule does not
+  apply);
+- every rank not named by those rules is "not in a collective", with where its main thread is;
+- ranks that wrote no report are named last, with what rank 0 found out about their process (`absent`:
+  stopped, gone, on another host).
 """
 
 from __future__ import annotations
@@ -42,8 +49,16 @@ def _has_send(report: dict[str, Any], to: int, step: int, index: int) -> bool:
                for r in report.get("p2p", []))
 
 
-def diagnose(reports: dict[int, dict[str, Any]], world_size: int, timeout_s: float, hang_dir: str = "") -> str:
-    """One paragraph: what each stuck rank waits for, and who never got there (and where it is)."""
+def _pending_collective(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The oldest collective of the rank's flight recorder that has not completed (see the rules above)."""
+    pending = [e for e in report.get("collectives", []) if e.get("pending") and not e.get("p2p")]
+    return min(pending, key=lambda e: (e.get("created_ns") or 0, e["seq"])) if pending else None
+
+
+def diagnose(reports: dict[int, dict[str, Any]], world_size: int, timeout_s: float, hang_dir: str = "",
+             absent: dict[int, str] | None = None) -> str:
+    """One paragraph: what each stuck rank waits for, and who never got there (and where it is).
+    `absent`: for ranks without a report, what is known of their process ("its process 812 is stopped")."""
     any_report = next(iter(reports.values()), {})
     step = max((r.get("step", 0) for r in reports.values()), default=0)
     phase = any_report.get("phase", "a training step")
@@ -115,12 +130,53 @@ def diagnose(reports: dict[int, dict[str, Any]], world_size: int, timeout_s: flo
             parts.append(text)
             named.add(rank)
 
-    # 3. the rest
+    # 3. collectives that have not completed, for members that wrote no report or never issued them
+    waiting_in: dict[tuple[str, int, str], list[int]] = {}
+    waits_for: dict[tuple[str, int, str], set[int]] = {}
+    for rank in sorted(reports):
+        entry = None if rank in named or rank in in_p2p else _pending_collective(reports[rank])
+        if entry is None:
+            continue
+        pg = entry["pg"]
+        others = [m for m in members.get(pg, []) if m != rank]
+        behind = [m for m in others if m not in reports
+                  or (last.get(pg, {}).get(m) or {"seq": 0})["seq"] < entry["seq"]]
+        if not behind:
+            continue  # every member issued it: the entry says nothing about where this rank waits
+        key = (pg, entry["seq"], entry["op"])
+        waiting_in.setdefault(key, []).append(rank)
+        waits_for.setdefault(key, set()).update(behind)
+        labels.setdefault(pg, entry["group"])
+        named.add(rank)
+    for (pg, seq, op), waiting in waiting_in.items():
+        behind = sorted(waits_for[(pg, seq, op)])
+        silent = [m for m in behind if m not in reports]
+        late = [m for m in behind if m in reports]
+        who = [format_ranks(late)] if late else []
+        if silent:
+            who.append(f"{format_ranks(silent)}, which wrote no report")
+        verb = "waits" if len(waiting) == 1 else "wait"
+        label = labels[pg]
+        parts.append(f"{format_ranks(waiting)} {verb} in {op} #{seq} of the {label} group for {' and '.join(who)}")
+        for rank in late:
+            if rank not in named:
+                last_seq = (last.get(pg, {}).get(rank) or {"seq": 0})["seq"]
+                notes = f" (its last in that group is #{last_seq})" if last_seq else ""
+                parts.append(f"rank {rank} never entered {op} #{seq} of the {label} group{notes}: "
+                             f"{_where(reports[rank])}")
+                named.add(rank)
+
+    # 4. the rest
     for rank in sorted(reports):
         if rank not in named:
             parts.append(f"rank {rank} is not in a collective: {_where(reports[rank])}")
-    if missing:
-        parts.append(f"{format_ranks(missing)} wrote no report (dead, or stuck without releasing the GIL)")
+    absent = absent or {}
+    unexplained = [rank for rank in missing if not absent.get(rank)]
+    if unexplained:
+        parts.append(f"{format_ranks(unexplained)} wrote no report (dead, or stuck without releasing the GIL)")
+    for rank in missing:
+        if absent.get(rank):
+            parts.append(f"rank {rank} wrote no report: {absent[rank]}")
     where = f" Stacks and last collectives of each rank: {hang_dir}/rank_R.txt." if hang_dir else ""
     during = phase if phase.startswith("step") else f"{phase} (step {step})"
     return (f"hang: no progress within {timeout_s:g} s during {during}: " + "; ".join(parts)

@@ -10,6 +10,12 @@ reports (at most `REPORT_GRACE_S`), writes the diagnosis paragraph (trainer/diag
 `hang/diagnosis.txt`, to train.log and into the elastic error file, and the process exits with status 1:
 the agent stops the others, and `trainer.max_restarts` restarts the job from its last checkpoint. The
 other ranks exit too if rank 0 has not ended the job after a while (a rank 0 that cannot run its thread).
+A rank that cannot write its report (SIGSTOPped, stuck holding the GIL) would not honour the agent's
+SIGTERM either, and the agent waits 30 s before its SIGKILL: every rank tells the others its host and pid
+at the start (one all-gather), so rank 0 stops waiting for a report from a rank on its host whose
+process is stopped or gone, names its state in the diagnosis and has it SIGKILLed 1 s after its own exit
+(so that the agent reports the diagnosing rank's failure, not the killed one's); a rank whose rank 0 is
+stopped does the same to rank 0. Ranks on other hosts are left to their own agent.
 The thread needs the GIL: gloo and NCCL waits, `time.sleep` and Python code release it; a rank stuck
 in C code that holds it writes nothing, and the diagnosis says that its report is missing.
 
@@ -31,7 +37,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -43,13 +52,14 @@ import torch.distributed as dist
 
 from trainer.callback import Callback
 from trainer.collectives import P2PRecorder, flight_recorder_entries, group_names, normalize_fr_entry
-from trainer.diagnosis import diagnose
+from trainer.diagnosis import diagnose, format_ranks
 
 log = logging.getLogger("trainer")
 REPORT_GRACE_S = 30.0  # rank 0 waits this long for the other ranks' reports
 OTHERS_EXIT_AFTER_S = 90.0  # a rank other than 0 ends itself this long after its report
 OTHERS_EXIT_DELAY_S = 3.0  # after rank 0's diagnosis
 POLL_S = 0.5
+KILL_DELAY_S = 1.0  # a frozen rank is killed this long after the diagnosing rank's exit (see `_kill`)
 HANG_EXIT_CODE = 1
 PER_RANK_METRICS_MAX_WORLD = 16
 STRAGGLER_FLOOR_S = 0.005
@@ -100,6 +110,7 @@ class HangWatchdog(Callback):
         self._steps: list[tuple[int, int, int]] = []  # (step, start ns, end ns) since the last log step
         self._slow_streak: dict[int, int] = {}
         self._hooks: list[Any] = []
+        self._processes: list[tuple[str, int]] = []  # (host, pid) of every rank
         self.straggler_warnings: list[str] = []
 
     # ---- deadline ---------------------------------------------------------------------------------------
@@ -127,6 +138,9 @@ class HangWatchdog(Callback):
             if trainer.is_global_zero and restart > 0 and hang_dir.is_dir():
                 hang_dir.rename(trainer.run_dir / f"hang.attempt{restart - 1}")  # keep the last attempt's reports
             self._start(f"the first step (step {trainer.step + 1})", self.first_step_factor)
+            if trainer.strategy.world_size > 1:  # watched: a rank that never arrives is diagnosed
+                self._processes = [tuple(p) for p in trainer.strategy.all_gather_object(
+                    (socket.gethostname(), os.getpid()))]
 
     def _start(self, phase: str, factor: float) -> None:
         self._arm(phase, factor)
@@ -233,18 +247,34 @@ class HangWatchdog(Callback):
             # rank ends the job after a while.
             diagnosis = hang_dir / "diagnosis.txt"
             waited = time.monotonic() + OTHERS_EXIT_AFTER_S
+            rank_0_state = "running"
             while time.monotonic() < waited and not diagnosis.exists():
+                rank_0_state = self._local_state(0)
+                if rank_0_state in ("stopped", "gone"):
+                    break
                 time.sleep(POLL_S)
             try:
                 message = diagnosis.read_text().strip()
             except OSError:
                 message = (f"hang on rank {rank} during {self.phase}, and rank 0 wrote no diagnosis: see the "
                            f"reports in {hang_dir}")
+                if rank_0_state == "stopped":
+                    message += f"; rank 0 wrote no report: {self._describe(0, rank_0_state)}"
+                    log.error(message)
+                    _write_error_file(message)
+                    self._kill([0])
+                    return  # this rank's exit, with the message, is the one the launcher reports
+                log.error(message)
             _write_error_file(message)
             time.sleep(OTHERS_EXIT_DELAY_S)  # rank 0's exit is the one the launcher reports
             return
         waited = time.monotonic() + REPORT_GRACE_S
-        while time.monotonic() < waited and len(list(hang_dir.glob("rank_*.json"))) < world:
+        while time.monotonic() < waited:
+            written = {int(path.stem.split("_")[1]) for path in hang_dir.glob("rank_*.json")}
+            silent = [r for r in range(world) if r not in written]
+            # a stopped or vanished process on this host will not write: no need to wait for it
+            if all(self._local_state(r) in ("stopped", "gone") for r in silent):
+                break
             time.sleep(POLL_S)
         reports = {}
         for path in hang_dir.glob("rank_*.json"):
@@ -253,13 +283,59 @@ class HangWatchdog(Callback):
                 reports[int(data["rank"])] = data
             except (OSError, ValueError, KeyError):
                 continue
-        paragraph = diagnose(reports, world, self.allowed_s, str(hang_dir))
+        missing = [r for r in range(world) if r not in reports]
+        states = {r: self._local_state(r) for r in missing}
+        absent = {r: self._describe(r, state) for r, state in states.items()}
+        paragraph = diagnose(reports, world, self.allowed_s, str(hang_dir), absent)
         (hang_dir / "diagnosis.tmp").write_text(paragraph + "\n")
         (hang_dir / "diagnosis.tmp").rename(hang_dir / "diagnosis.txt")
         log.error(paragraph)
         for handler in logging.getLogger().handlers:
             handler.flush()
         _write_error_file(paragraph)
+        # they would ignore the agent's SIGTERM and hold the job for its 30 s grace
+        self._kill([r for r, state in states.items() if state not in ("gone", "elsewhere", "unknown")])
+
+    # ---- the other ranks' processes (same host only) -------------------------------------------------------
+    def _local_state(self, rank: int) -> str:
+        """"stopped", "gone", "running" (or sleeping, in I/O...), "elsewhere" (another host) or "unknown"."""
+        if rank >= len(self._processes):
+            return "unknown"
+        host, pid = self._processes[rank]
+        if host != socket.gethostname():
+            return "elsewhere"
+        return process_state(pid)
+
+    def _describe(self, rank: int, state: str) -> str:
+        if state in ("elsewhere", "unknown"):
+            return ""  # the diagnosis says "dead, or stuck without releasing the GIL"
+        pid = self._processes[rank][1]
+        return {"stopped": f"its process (pid {pid}) is stopped (SIGSTOP, Ctrl-Z or a debugger); killed with "
+                           f"SIGKILL, since it cannot honour the launcher's SIGTERM",
+                "gone": f"its process (pid {pid}) has exited"}.get(
+            state, f"its process (pid {pid}) runs but did not report (stuck without releasing the GIL?); killed "
+                   f"with SIGKILL")
+
+    def _kill(self, ranks: list[int]) -> None:
+        """SIGKILL these ranks' processes `KILL_DELAY_S` after this process exits (the caller exits now): the
+        agent must see this rank's failure, with the diagnosis in its error file, first (it reports the one
+        failure it sees first, and a killed rank has no message). A detached `sh` does it: a stopped
+        process can neither exit nor die of SIGTERM meanwhile, so its pid stays its own."""
+        pids = [str(self._processes[rank][1]) for rank in ranks]
+        if not pids:
+            return
+        try:
+            subprocess.Popen(["/bin/sh", "-c", f"sleep {KILL_DELAY_S:g}; kill -KILL {' '.join(pids)} 2>/dev/null"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True, close_fds=True)
+        except OSError:  # no shell: kill them now
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+        log.error(f"hang watchdog: killing {format_ranks(ranks)} (pid {', '.join(pids)}), which wrote no report, "
+                  f"with SIGKILL")
 
     # ---- stragglers ---------------------------------------------------------------------------------------
     def _report_stragglers(self, trainer: Any) -> None:
@@ -344,9 +420,11 @@ def write_report(hang_dir: Path, report: dict[str, Any]) -> None:
              f"main thread: {report['location']}", ""]
     for name, stack in report["stacks"].items():
         lines += [f"--- thread {name}", *[line.rstrip() for line in stack], ""]
-    lines.append("--- last collectives (flight recorder: process group, sequence number, op, sizes, issued, state)")
+    lines.append("--- last collectives (flight recorder: process group, sequence number, op, sizes, issued, state; "
+                 "gloo's entries stay `scheduled`, `retired` tells whether one completed)")
     for e in report["collectives"][-50:]:
-        lines.append(f"{e['group']} #{e['seq']} {e['op']} {e['sizes']} issued {e['created_ns']} {e['state']}")
+        done = "" if e.get("pending") is None else (" (not completed)" if e["pending"] else " (completed)")
+        lines.append(f"{e['group']} #{e['seq']} {e['op']} {e['sizes']} issued {e['created_ns']} {e['state']}{done}")
     lines.append("--- pipeline sends/receives (step, index towards the peer, bytes, issued, finished)")
     for r in report["p2p"][-50:]:
         lines.append(f"{r['op']} {'to' if r['op'] == 'send' else 'from'} rank {r['peer']} ({r['group']}) step "
@@ -354,6 +432,19 @@ def write_report(hang_dir: Path, report: dict[str, Any]) -> None:
                      f"finished {r['finished_ns'] if r['finished_ns'] is not None else 'NO (pending)'}")
     (hang_dir / f"rank_{rank}.txt").write_text("\n".join(lines) + "\n")
     (hang_dir / f"rank_{rank}.json").with_suffix(".tmp").rename(hang_dir / f"rank_{rank}.json")
+
+
+def process_state(pid: int) -> str:
+    """A local process's state from /proc: "stopped" (T, t), "gone" (no such process, or a zombie),
+    "running" otherwise (R, S, D...); "unknown" without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return "unknown"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
 def _write_error_file(message: str) -> None:

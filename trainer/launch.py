@@ -11,10 +11,14 @@ trainer.config's submodules, and `distributed_environment` from the leaf trainer
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -26,17 +30,41 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.config.derived import world_size
 from trainer.config.registry import register_configs
-from trainer.environment import distributed_environment
+from trainer.environment import distributed_environment, signal_numbers
 
 if TYPE_CHECKING:
     from trainer.interfaces.strategy import Strategy
 
 __all__ = [
     "adopt_slurm_environment", "agree_on_run_dir", "configure_worker_logging", "describe_failure",
-    "distributed_environment", "launch", "needs_launch", "worker_main", "world_size",
+    "distributed_environment", "launch", "needs_launch", "route_agent_logs", "worker_main", "world_size",
 ]
 
 log = logging.getLogger("trainer")
+LAUNCHER_LOG = "launcher.log"
+# the elastic agent's and torch.multiprocessing's loggers: their error-level tracebacks of a failed worker
+# (and the SIGTERM/SIGKILL warnings of its shutdown) go to <run dir>/launcher.log, not to the console
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+_agent_log: dict[str, Any] = {"handler": None, "path": None}
+
+
+def route_agent_logs(run_dir: Path) -> Path:
+    """Send the elastic agent's log records to `<run_dir>/launcher.log` only (replacing an earlier run's
+    file in a sweep); `describe_failure` names that file in its line."""
+    path = Path(run_dir) / LAUNCHER_LOG
+    old = _agent_log["handler"]
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in AGENT_LOGGERS:
+        logger = logging.getLogger(name)
+        if old is not None:
+            logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.propagate = False  # torch's console handler sits on the "torch" logger
+    if old is not None:
+        old.close()
+    _agent_log.update(handler=handler, path=path)
+    return path
 
 
 def adopt_slurm_environment() -> None:
@@ -74,12 +102,19 @@ def configure_worker_logging(rank: int, run_dir: Path) -> None:
 
 
 @record
-def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path], Any]) -> None:
+def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path], Any]) -> dict[str, Any] | None:
     """Entry point of each launched worker (a picklable, module-level function): `train` is pickled by
     name (trainer.run.train) and imported again in the worker."""
+    from trainer.preemption import TrainingPreempted
+
     register_configs()
     configure_worker_logging(int(os.environ.get("RANK", "0")), Path(run_dir))
-    train(cfg, Path(run_dir))
+    try:
+        train(cfg, Path(run_dir))
+    except TrainingPreempted as stopped:  # saved at a step boundary: a normal end the launcher reports
+        return {"preempted": {"signal": stopped.signal_name, "step": stopped.step,
+                              "checkpoint": str(stopped.checkpoint)}}
+    return None
 
 
 def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], Any]) -> None:
@@ -113,12 +148,70 @@ def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], A
         max_restarts=int(t.max_restarts),
         monitor_interval=0.1,
         start_method="spawn",
+        # the preemption signals are forwarded by `forward_signals`, not handled by the agent
+        signals_to_handle=agent_signals(list(t.preemption_signals)),
     )
     resolved = OmegaConf.create(cfg)  # a copy; Hydra's ${hydra:...} is not available in the workers
     OmegaConf.resolve(resolved)
     log.info(f"launching {int(t.devices)} worker(s) on this node ({nodes} node(s), "
              f"{world_size(cfg)} processes, {threads} thread(s) each)")
-    elastic_launch(config, worker_main)(resolved, str(run_dir), train)
+    route_agent_logs(run_dir)
+    with forward_signals(list(t.preemption_signals)):
+        results = elastic_launch(config, worker_main)(resolved, str(run_dir), train)
+    preempted = [result["preempted"] for result in (results or {}).values()
+                 if isinstance(result, dict) and "preempted" in result]
+    if preempted:
+        from trainer.preemption import TrainingPreempted
+
+        first = preempted[0]
+        raise TrainingPreempted(first["signal"], int(first["step"]), Path(first["checkpoint"]))
+
+
+# The elastic agent's own handlers (torch.distributed.elastic.multiprocessing.api), which raise in the agent,
+# SIGTERM the workers and wait 30 s for them: a worker that returned waits for the agent to read its
+# result, which an agent shutting down never does, so each preempted job took 30 s and ended in a traceback.
+_AGENT_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # where launch_agent puts LaunchConfig.signals_to_handle
+_AGENT_DEFAULT_SIGNALS = LaunchConfig.signals_to_handle  # SIGTERM,SIGINT,SIGHUP,SIGQUIT
+
+
+def agent_signals(names: list[str]) -> str:
+    """The signals the elastic agent still handles itself: its defaults but the preemption signals."""
+    ours = {number.name for number in signal_numbers(names)}
+    return ",".join(name.strip() for name in _AGENT_DEFAULT_SIGNALS.split(",") if name.strip() not in ours)
+
+
+@contextlib.contextmanager
+def forward_signals(names: list[str]) -> Any:
+    """While the workers run, the launcher forwards the preemption signals (trainer.preemption_signals) to
+    them instead of letting the agent handle them: each worker saves at its next step boundary and returns,
+    and `launch` raises TrainingPreempted (exit 75). The workers drop a repeat of the same signal within
+    2 s (Ctrl-C in a terminal reaches them and the launcher, which forwards it); a later one, forwarded
+    too, acts as usual in them."""
+    numbers = signal_numbers(names)
+    if not numbers or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous_env = os.environ.get(_AGENT_SIGNALS)
+
+    def forward(signum: int, frame: Any) -> None:
+        del frame
+        workers = multiprocessing.active_children()  # the agent's spawned workers
+        log.warning(f"{signal.Signals(signum).name}: forwarded to the {len(workers)} worker(s); they save at "
+                    "the end of their step and stop")
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signum)  # type: ignore[arg-type]
+
+    previous = {number: signal.signal(number, forward) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if previous_env is None:
+            os.environ.pop(_AGENT_SIGNALS, None)
+        else:
+            os.environ[_AGENT_SIGNALS] = previous_env
 
 
 def _is_checkpoint_provider(node: DictConfig) -> bool:
@@ -132,17 +225,29 @@ def _is_checkpoint_provider(node: DictConfig) -> bool:
 
 
 def describe_failure(error: ChildFailedError) -> str:
-    """The failing rank and its exception, from the error file the worker's @record wrote."""
-    rank, failure = error.get_first_failure()
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", str(message))
-    text = str(message).strip() or f"exit code {failure.exitcode}"
-    if text.startswith("hang"):  # the hang watchdog's diagnosis names the ranks itself (trainer/hang.py)
-        return text
-    if failure.exitcode < 0 or "Signals." in text:
-        text = f"killed by signal {-failure.exitcode}" if failure.exitcode < 0 else text
-    return f"rank {rank} failed: {text}"
+    """One line per cause: each failing rank with its exception (from the error file the worker's @record
+    wrote) or the signal that killed it, ranks with the same cause on one line, the first failure first;
+    the elastic agent's tracebacks are in the launcher's log, which the first line names. A hang
+    diagnosis (trainer/hang.py) names the ranks itself and is passed through unchanged."""
+    failures = sorted(error.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    causes: dict[str, list[int]] = {}
+    for rank, failure in failures:
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", str(message))
+        text = str(message).strip() or f"exit code {failure.exitcode}"
+        if text.startswith("hang"):  # the watchdog's diagnosis, whichever rank's exit came first
+            return text
+        if failure.exitcode < 0:
+            text = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
+        causes.setdefault(text, []).append(rank)
+    lines = []
+    for text, ranks in causes.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+        lines.append(f"{who} failed: {text}")
+    if _agent_log["path"] is not None:
+        lines[0] += f" (the launcher's log: {_agent_log['path']})"
+    return "\n".join(lines)
 
 
 def agree_on_run_dir(strategy: "Strategy", run_dir: Path) -> Path:

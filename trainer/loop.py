@@ -25,6 +25,7 @@ from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
 from trainer.memory import describe_state_bytes, state_bytes
 from trainer.models import family_of
+from trainer.preemption import PreemptionSignals, TrainingPreempted, save_on_preemption
 from trainer.throughput import ThroughputMeter
 
 log = logging.getLogger("trainer")
@@ -101,8 +102,12 @@ class Trainer:
         self.skip_step = False
         self.nonfinite_steps = 0  # consecutive steps with a non-finite gradient norm (never applied)
         self.step_timings: dict[str, float] = {}
-        # Set by a callback (the checkpoint manager after a SIGTERM) to end fit() after this step.
+        # Set by a callback to end fit() after this step.
         self.should_stop = False
+        # Preemption (trainer/preemption.py): the loop owns trainer.preemption_signals, whatever the callbacks;
+        # `preempted_by` is the agreed signal's name once the ranks stopped for it.
+        self.preemption = PreemptionSignals(config.preemption_signals)
+        self.preempted_by: str | None = None
         # The loader's position at the last step boundary: a checkpoint written while a step is under
         # way (on an exception) must not count the batch that step has already drawn.
         self._loader_state: dict[str, Any] = self.train_loader.state_dict()
@@ -164,6 +169,9 @@ class Trainer:
         # rollback: the checkpoint provider); here rather than at construction, so that callbacks added
         # after it take part, and before the try: nothing has started that on_exception would clean up.
         connect_callbacks(self.callbacks)
+        self.preempted_by = None
+        self.preemption.install()
+        preempted: TrainingPreempted | None = None
         try:
             self._call("on_fit_start")
             self.throughput_meter.start(self.step)  # after the callbacks' set-up: training starts here
@@ -175,18 +183,38 @@ class Trainer:
                 if self.config.val_every and self.step % self.config.val_every == 0:
                     with self.untimed():
                         self.validate()
+                if self._preempted():  # after the step's scheduled validation: the record is the same
+                    break
             if self.throughput_meter.open_steps:  # stopped (should_stop) after unlogged steps: count them
                 self.throughput_meter.close(self.step)
-            if not self.val_history or self.val_history[-1][0] != self.step:
+            if self.preempted_by is not None:
+                # Saved at this step boundary, metrics flushed; no final validation (time is short).
+                # (the CLI prints its one line and exits 75)
+                preempted = TrainingPreempted(self.preempted_by, self.step, save_on_preemption(self))
+            elif not self.val_history or self.val_history[-1][0] != self.step:
                 self.validate()  # the summary always reports the final model
             self._call("on_fit_end")
         except BaseException as exception:
             self._call("on_exception", exception)
             raise
         finally:
+            self.preemption.restore()
             for logger in self.loggers:
                 logger.finalize("success")
+        if preempted is not None:
+            raise preempted
         return self.summary(time.perf_counter() - wall_start)
+
+    def _preempted(self) -> bool:
+        """At a step boundary: whether any rank received a preemption signal (all agree; one all-reduce per
+        step when distributed). The save follows in fit()."""
+        name = self.preemption.agreed(self.strategy.device)
+        if name is None:
+            return False
+        self.preempted_by = name
+        if self.is_global_zero:
+            log.warning(f"{name}: saving a checkpoint at step {self.step} and stopping")
+        return True
 
     def training_step(self, microbatches: MicroBatches) -> None:
         """One optimizer step over this rank's micro-batches."""

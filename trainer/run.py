@@ -30,6 +30,7 @@ from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
 from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import DEFAULT_COLLECTIVE_TIMEOUT_S, Strategy, resolve_device
 from trainer.loop import Trainer
+from trainer.preemption import TrainingPreempted
 from trainer.models import build_meta_model
 from trainer.planner.accumulation import AccumulationChoice, choose_grad_sync, this_machine
 from trainer.planner.core import hardware_from_config
@@ -262,20 +263,28 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # garbage is frozen with it.
     gc.freeze()
     trainer = build_trainer(cfg, run_dir)
-    summary = trainer.fit()
-    watchdogs = [callback for callback in trainer.callbacks if isinstance(callback, HangWatchdog)]
-    for dog in watchdogs:
-        dog.watch_final_save(trainer)
-    final = save_final_checkpoint(trainer) if cfg.trainer.save_final else None
-    for dog in watchdogs:
-        dog.stop()
-    if trainer.is_global_zero:
-        path = trainer.run_dir / "summary.json"
-        path.write_text(json.dumps(summary, indent=2) + "\n")
-        log.info(f"final val_loss {summary['final_val_loss']:.4f}, {throughput_line(summary)}")
-        log.info(f"summary: {path}")
-        if final is not None:  # the run's last line: where its result is
-            log.info(f"final checkpoint: {final} (resume=auto in this run directory continues from it)")
+    preempted: TrainingPreempted | None = None
+    try:
+        summary = trainer.fit()
+    except TrainingPreempted as stopped:
+        # Saved and flushed at a step boundary: leave quickly but cleanly (the teardown below, so that no
+        # rank waits for another at exit), then the CLI records `preempted` and exits 75. Its traceback
+        # would keep fit()'s frame, hence the model, alive past the teardown.
+        preempted, summary = stopped.with_traceback(None), {}
+    if preempted is None:
+        watchdogs = [callback for callback in trainer.callbacks if isinstance(callback, HangWatchdog)]
+        for dog in watchdogs:
+            dog.watch_final_save(trainer)
+        final = save_final_checkpoint(trainer) if cfg.trainer.save_final else None
+        for dog in watchdogs:
+            dog.stop()
+        if trainer.is_global_zero:
+            path = trainer.run_dir / "summary.json"
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+            log.info(f"final val_loss {summary['final_val_loss']:.4f}, {throughput_line(summary)}")
+            log.info(f"summary: {path}")
+            if final is not None:  # the run's last line: where its result is
+                log.info(f"final checkpoint: {final} (resume=auto in this run directory continues from it)")
     strategy = trainer.strategy
     # The model goes before the process group: DDP's C++ reducer holds a reference to the gloo group,
     # and a group destroyed through it runs its destructor with the GIL held while gloo's worker
@@ -287,4 +296,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # gc.freeze(), which would keep it (the model, the optimizer's copies) for the rest of the sweep.
     del strategy
     gc.collect()
+    if preempted is not None:
+        raise preempted
     return summary

@@ -29,17 +29,17 @@ from omegaconf import DictConfig
 
 STATUS_FILE = "status.json"
 SUMMARY_CSV = "summary.csv"
-STATUSES = ("ok", "failed", "diverged", "skipped_unfit", "incomplete")
+STATUSES = ("ok", "failed", "diverged", "preempted", "no_space", "skipped_unfit", "incomplete")
 MIB = 2**20
 
 
 # ---- inside a job (trainer/cli.py) ---------------------------------------------------------------------
-def write_status(run_dir: Path, status: str, error: str | None = None) -> None:
-    """Record how a job ended, next to its outputs."""
+def write_status(run_dir: Path, status: str, error: str | None = None, **details: Any) -> None:
+    """Record how a job ended, next to its outputs (`details`: e.g. the step a preempted run saved)."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; one of {', '.join(STATUSES)}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / STATUS_FILE).write_text(json.dumps({"status": status, "error": error}) + "\n")
+    (run_dir / STATUS_FILE).write_text(json.dumps({"status": status, "error": error, **details}) + "\n")
 
 
 def error_line(error: BaseException) -> str:

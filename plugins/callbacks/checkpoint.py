@@ -4,22 +4,21 @@ Add it with `callbacks=[default,checkpoint]`. Saves go to `<run_dir>/checkpoints
 trainer/checkpoint); `resume=auto` (the default) continues from the latest complete one.
 
 Policies (any combination): every N steps, every T minutes, at the end of training; keep the last K,
-the best K by a logged metric, and every checkpoint at a multiple of M steps (milestones). SIGTERM and
-SIGINT (a scheduler's preemption notice, Ctrl-C) are turned into a save at the end of the current step,
-after which the run stops; a second signal acts as usual. An exception saves what the run had reached
-when every rank fails together (single process, or all ranks meeting within `exception_timeout_s`).
+the best K by a logged metric, and every checkpoint at a multiple of M steps (milestones). Preemption
+signals are the loop's (trainer/preemption.py, `trainer.preemption_signals`), whatever the callbacks are:
+it calls `save_for_preemption`, so the preemption checkpoint is one of this manager's (its directory, its
+retention). An exception saves what the run had reached when every rank fails together (single process,
+or all ranks meeting within `exception_timeout_s`).
 
-Every decision is agreed across ranks (one small all-reduce per step when time or signals are
-watched), since a save is collective.
+Every decision is agreed across ranks (one small all-reduce per step when a save timer is set or an
+asynchronous save is in flight), since a save is collective.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import signal
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +61,7 @@ class CheckpointManager(CheckpointProvider):
     def __init__(self, directory: str = "checkpoints", every_n_steps: Optional[int] = None,
                  every_n_minutes: Optional[float] = None, save_last: bool = True, keep_last: int = 3,
                  keep_best: int = 0, monitor: str = "val_loss", mode: str = "min",
-                 milestone_every: Optional[int] = None, save_on_signal: bool = True, save_on_exception: bool = True,
+                 milestone_every: Optional[int] = None, save_on_exception: bool = True,
                  exception_timeout_s: float = 10.0, async_save: bool = False) -> None:
         self.check(every_n_steps=every_n_steps, every_n_minutes=every_n_minutes, keep_last=keep_last,
                    keep_best=keep_best, mode=mode, milestone_every=milestone_every,
@@ -74,7 +73,6 @@ class CheckpointManager(CheckpointProvider):
         self.save_last = save_last
         self.retention = RetentionPolicy(keep_last=keep_last, keep_best=keep_best, monitor=monitor, mode=mode,
                                          milestone_every=milestone_every)
-        self.save_on_signal = save_on_signal
         self.save_on_exception = save_on_exception
         self.exception_timeout_s = exception_timeout_s
         self.async_save = async_save
@@ -84,8 +82,6 @@ class CheckpointManager(CheckpointProvider):
         self._async_group: Any = None
         self._agreement_group: Any = None
         self._last_save_time = time.monotonic()
-        self._signal: Optional[int] = None
-        self._previous_handlers: dict[int, Any] = {}
         self._saving = False
 
     # ---- configuration ------------------------------------------------------------------------------
@@ -222,51 +218,40 @@ class CheckpointManager(CheckpointProvider):
             if self.save_on_exception:
                 self._agreement_group = dist.new_group(backend="gloo")
         self._last_save_time = time.monotonic()
-        self._signal = None
         self._saving = False
-        if self.save_on_signal and threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         trainer.strategy.barrier()
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        del frame
-        self._signal = signum
-        # A second signal does what it would have done without this manager (e.g. Ctrl-C twice).
-        signal.signal(signum, self._previous_handlers.get(signum, signal.SIG_DFL))
+    def save_for_preemption(self, trainer: "Trainer") -> Path:
+        """The loop's preemption save (trainer/preemption.py owns the signals): a synchronous save of this
+        step into this manager's directory, under its retention; the one of this step when already saved."""
+        if self._pending is not None:
+            self._finish_pending()
+        if self.last_saved_step == trainer.step and self.directory is not None:
+            path = self.directory / step_dirname(trainer.step)
+            if trainer.strategy.broadcast_object(path.is_dir()):
+                trainer.flush_loggers()
+                return path
+        return self.save(trainer, "signal", asynchronous=False)
 
-    def _restore_signal_handlers(self) -> None:
-        for signum, handler in self._previous_handlers.items():
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signum, handler)
-        self._previous_handlers = {}
-
-    def _agreed_flags(self) -> tuple[bool, bool, bool]:
-        """(a rank received a stop signal, a rank's save timer expired, every rank finished the save in
-        flight), the same on every rank."""
+    def _agreed_flags(self) -> tuple[bool, bool]:
+        """(a rank's save timer expired, every rank finished the save in flight), the same on every rank."""
         due = (self.every_n_minutes is not None
                and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes)
         pending = self._pending is not None
         busy = pending and not self._pending.done()  # type: ignore[union-attr]
-        flags = [self._signal is not None, due, busy]
-        if _distributed() and (self.save_on_signal or self.every_n_minutes is not None or pending):
+        flags = [due, busy]
+        if _distributed() and (self.every_n_minutes is not None or pending):
             tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
             flags = [bool(v) for v in tensor.tolist()]
-        return flags[0], flags[1], pending and not flags[2]
+        return flags[0], pending and not flags[1]
 
     def on_train_batch_end(self, trainer: "Trainer", outputs: dict[str, Any]) -> None:
-        stop, timed, written = self._agreed_flags()
+        timed, written = self._agreed_flags()
         if written:
             self._finish_pending()
         periodic = self.every_n_steps is not None and trainer.step % self.every_n_steps == 0
-        if stop:
-            name = signal.Signals(self._signal).name if self._signal is not None else "a signal on another rank"
-            if trainer.is_global_zero:
-                log.warning(f"{name}: saving a checkpoint at step {trainer.step} and stopping")
-            self.save(trainer, "signal", asynchronous=False)
-            trainer.should_stop = True
-        elif periodic or timed:
+        if periodic or timed:
             self.save(trainer, "periodic" if periodic else "timed")
 
     def on_validation_end(self, trainer: "Trainer") -> None:
@@ -291,15 +276,13 @@ class CheckpointManager(CheckpointProvider):
             self.save(trainer, "end", asynchronous=False)
         if self._pending is not None:
             self._finish_pending()
-        self._restore_signal_handlers()
 
     def on_exception(self, trainer: "Trainer", exception: BaseException) -> None:
-        self._restore_signal_handlers()
         self._pending = None
         if (not self.save_on_exception or self._saving or isinstance(exception, (CheckpointError, KeyboardInterrupt))
                 or self.directory is None or self.last_saved_step == trainer.step):
             return
-        if _distributed() and self._signal is not None:
+        if _distributed() and trainer.preemption.received is not None:
             return  # being shut down (the launcher stops the other workers when one fails): leave quickly
         if _distributed() and not self._all_ranks_failed(trainer):
             if trainer.is_global_zero:
@@ -348,8 +331,6 @@ class CheckpointManagerConfig:
     mode: str = "min"
     # Never delete checkpoints at steps that are multiples of this (null: no milestones).
     milestone_every: Optional[int] = None
-    # On SIGTERM/SIGINT: save at the end of the current step, then stop.
-    save_on_signal: bool = True
     # On an exception: save when every rank fails together (single process: always).
     save_on_exception: bool = True
     # Multi-process runs: how long a failing rank waits for the others before giving up on saving.

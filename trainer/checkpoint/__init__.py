@@ -13,6 +13,7 @@ from trainer.checkpoint.io import PendingCheckpoint, load_checkpoint, save_check
 from trainer.checkpoint.manifest import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNoSpaceError,
     RetentionPolicy,
     complete_checkpoints,
     latest_complete_checkpoint,
@@ -22,6 +23,6 @@ from trainer.checkpoint.resuming import checkpoint_directory, resume
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "latest_complete_checkpoint", "complete_checkpoints",
-    "CheckpointError", "CheckpointCorruptError", "PendingCheckpoint", "RetentionPolicy", "step_dirname",
+    "CheckpointError", "CheckpointCorruptError", "CheckpointNoSpaceError", "PendingCheckpoint", "RetentionPolicy", "step_dirname",
     "checkpoint_directory", "resume",
 ]

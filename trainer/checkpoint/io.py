@@ -18,10 +18,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.checkpoint import space
 from trainer.checkpoint.manifest import (
     CONFIG,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNoSpaceError,
+    latest_complete_checkpoint,
     commit,
     partial_path,
     read_manifest,
@@ -181,6 +184,7 @@ def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optio
             error = CheckpointError(f"cannot create {partial}: {failure}")
     _agree(trainer, error)
     state = collect_state(trainer)
+    needed = _check_space(trainer, state, path, partial)
     manifest = _manifest(trainer, reason, metrics)
     config_yaml = _config_yaml(trainer)
     writer = FileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
@@ -191,15 +195,55 @@ def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optio
                                       no_dist=no_dist)
         future = getattr(response, "upload_completion", response)
         return PendingCheckpoint(future, partial, path, manifest, config_yaml, strategy.is_global_zero)
-    with dcp_call() as no_dist:
-        dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
+    try:
+        with dcp_call() as no_dist:
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
+    except BaseException as failure:  # DCP's CheckpointException is a BaseException
+        if not space.is_no_space(failure):
+            raise
+        # Every rank has stopped writing (DCP gathers the ranks' results before raising on each).
+        raise _no_space(trainer, path, partial, needed) from None
     if strategy.is_global_zero:
         try:
             commit(partial, path, manifest, config_yaml)
         except OSError as failure:
-            error = CheckpointError(f"cannot commit {path}: {failure}")
+            error = (_no_space(trainer, path, partial, needed) if space.is_no_space(failure)
+                     else CheckpointError(f"cannot commit {path}: {failure}"))
     _agree(trainer, error)
     return path
+
+
+def _check_space(trainer: "Trainer", state: dict[str, Any], path: Path, partial: Path) -> int:
+    """Refuse a save the disk cannot hold (collective: one all_gather of each rank's share and rank 0's
+    view of the disk), before anything is written; returns the expected size in bytes."""
+    strategy = trainer.strategy
+    share = space.state_bytes(state, counts_replicated=strategy.is_global_zero)
+    disk: Optional[tuple[str, int, int]] = None
+    if strategy.is_global_zero:
+        mount, free = space.disk_of(partial)
+        disk = (str(mount), free, space.previous_checkpoint_bytes(path.parent))
+    reports = strategy.all_gather_object((share, disk))
+    mount, free, previous = reports[0][1]
+    needed = max(sum(report[0] for report in reports), previous)
+    if needed > free:
+        if strategy.is_global_zero:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointNoSpaceError(f"the checkpoint of step {trainer.step} needs {space.human(needed)}, "
+                                     f"{space.human(free)} free on {mount} ({path.parent}): free some space "
+                                     "or point the checkpoint directory at another disk")
+    return needed
+
+
+def _no_space(trainer: "Trainer", path: Path, partial: Path, needed: int) -> CheckpointNoSpaceError:
+    """The disk filled during the save: the partial save goes (rank 0), the earlier checkpoints stay."""
+    if trainer.strategy.is_global_zero:
+        shutil.rmtree(partial, ignore_errors=True)
+    mount, free = space.disk_of(path.parent)
+    previous = latest_complete_checkpoint(path.parent)
+    kept = f"the last complete checkpoint {previous} is kept" if previous is not None else "no earlier checkpoint"
+    return CheckpointNoSpaceError(f"no space left on {mount} while writing the checkpoint of step {trainer.step} "
+                                  f"({space.human(needed)} expected, {space.human(free)} free after removing "
+                                  f"the partial save {partial.name}); {kept}")
 
 
 def verify_checkpoint(trainer: "Trainer", path: Path, manifest: dict[str, Any], checksums: bool = True) -> None:

@@ -38,6 +38,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or loaded (the message names the checkpoint and the cause)."""
 
 
+class CheckpointNoSpaceError(CheckpointError):
+    """A checkpoint does not fit on its disk: refused before the save (free space below its expected size)
+    or stopped by ENOSPC while writing (the partial save removed, earlier checkpoints kept). Exit status 5,
+    status.json `no_space`; the message names the disk and the sizes."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A file of a committed checkpoint is missing, truncated or altered."""
 

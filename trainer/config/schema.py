@@ -82,6 +82,12 @@ class TrainerConfig:
     # Save a checkpoint of the final state (weights and everything a resume needs) into the run's
     # checkpoint directory when training ends; periodic saves stay opt-in (callbacks=[default,checkpoint]).
     save_final: bool = True
+    # Preemption (trainer/preemption.py): these signals (a scheduler's notice, Ctrl-C; names or numbers)
+    # make every rank stop at the next step boundary, save a checkpoint (the checkpoint manager's when it is
+    # configured, else into <run dir>/checkpoints), flush the metrics, write status.json `preempted` and exit
+    # with status 75 (EX_TEMPFAIL), whatever the callbacks are; resume=auto then continues exactly. The same
+    # signal again within 2 s is the same notice; later, a second one acts as usual. [] watches none.
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     # Hang watchdog (trainer/hang.py): when no training step, validation or checkpoint save completes within
     # this many seconds, every rank writes its stacks and last collectives to <run dir>/hang/rank_R.txt and
     # the job ends with a diagnosis and exit status 1 (max_restarts then restarts it). 0 turns it off.

@@ -31,6 +31,7 @@ from trainer.config.derived import (
 )
 from trainer.config.errors import ConfigError
 from trainer.config.schema import ACCELERATORS, MODES, PLAN_FORMATS
+from trainer.environment import signal_numbers
 
 if TYPE_CHECKING:
     from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
@@ -56,6 +57,10 @@ def _validate_trainer(t: DictConfig) -> None:
              f"must be >= 0 (0: no warm-up left out), got {t.throughput_warmup_steps}")
     _require(t.val_every >= 0, "trainer.val_every", f"must be >= 0 (0: validate only at the end), got {t.val_every}")
     _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    try:
+        signal_numbers(list(t.preemption_signals))
+    except ValueError as error:
+        raise ConfigError("trainer.preemption_signals", str(error)) from None
     _require(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps",
              f"must be >= 0 (0: skip non-finite steps without ever stopping), got {t.max_nonfinite_steps}")
     _require(t.accelerator in ACCELERATORS, "trainer.accelerator",
