@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import shutil
@@ -41,8 +42,9 @@ def column(rows: list[dict[str, str]], name: str) -> list[float]:
     return [float(r[name]) for r in rows if r.get(name)]
 
 
-def test_run_writes_metrics_summary_and_config(tmp_path: Path) -> None:
-    summary, rows = run(tmp_path)
+def test_run_writes_metrics_summary_and_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        summary, rows = run(tmp_path)
     assert {"step", "train_loss", "lr", "tokens_per_s", "val_loss", "grad_norm", "mfu"} <= set(rows[0])
     assert column(rows, "train_loss") and len(column(rows, "train_loss")) == 8
     assert [int(r["step"]) for r in rows if r["val_loss"]] == [4, 8]
@@ -55,7 +57,15 @@ def test_run_writes_metrics_summary_and_config(tmp_path: Path) -> None:
     assert saved["steps"] == 8 and saved["tokens"] == 8 * 8 * 64
     assert saved["final_val_loss"] == column(rows, "val_loss")[-1]
     assert saved["best_val_loss"] == min(column(rows, "val_loss"))
-    assert 0 < saved["mfu"] < 1 and saved["tokens_per_s"] > 0
+    assert saved["mfu"] > 0 and saved["tokens_per_s"] > 0
+    # MFU is the achieved FLOP/s per device over the peak (on a CPU, the matmul peak measured at start-up).
+    # It is not bounded by 1 here: a peak measured while the shared machine was busier than during the run
+    # sits below what the run achieves (1.06 and 1.44 seen), and the loop then reports it as measured with
+    # one warning; so the test checks the formula and that the warning comes exactly when it should.
+    expected = saved["tokens_per_s"] * saved["flops_per_token"] / saved["world_size"] / saved["peak_flops_per_device"]
+    assert saved["mfu"] == pytest.approx(expected, rel=1e-12)
+    above_peak = max(column(rows, "mfu") + [saved["mfu"], saved["mfu_wall_average"]]) > 1
+    assert caplog.text.count("that peak looks too low") == (1 if above_peak else 0)
     assert len(saved["peak_memory_bytes_per_rank"]) == 1 and saved["peak_memory_bytes_per_rank"][0] > 0
     assert "dim: 64" in (tmp_path / "config.yaml").read_text()
     # the loss starts near ln(256) for bytes and goes down
