@@ -144,6 +144,10 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("trainer", ["trainer.devices=2"], 2, "trainer.devices: trainer.devices x trainer.num_nodes = 2 processes"),
     ("trainer", ["trainer.max_steps=[1"], 2, "cannot parse override"),
     ("trainer", ["mode=debug"], 2, "mode: 'debug' is not one of train, plan"),
+    # ---- config: Mixture-of-Experts options (trainer/models/moe.py) ----------------------------------
+    ("trainer", ["model=tiny_moe", "model.top_k=9"], 2, "model.top_k=9 must be between 1 and model.n_experts=8"),
+    ("trainer", ["model=tiny_moe", "model.capacity_factor=-1"], 2, "capacity_factor must be a finite number >= 0"),
+    ("trainer", ["model=gpt2_small", "model.n_experts=8"], 2, "n_experts"),  # a family without experts
     # ---- data ----------------------------------------------------------------------------------------
     ("trainer", ["data=token_file", "data.path=/nonexistent"], 2, "data.path: /nonexistent does not exist"),
     ("trainer", ["data=token_file"], 2, "data.path: required value is missing"),

@@ -1,13 +1,11 @@
 """Mixture of Experts (`model.n_experts`, trainer/models/moe.py): exact parameter counts, the router, the
 balancing losses and their gradients, capacity dropping, grouped vs per-expert compute, metrics, config
-errors; expert parallelism's parity with one process in one batched gloo launch (slow)."""
+round trips; expert parallelism's parity with one process in one batched gloo launch (slow)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,6 @@ from trainer.models.moe import MoE, aux_loss_grad_scale_set, collect_moe_stats, 
 from tests.launch_pool import POOL
 # imported at collection: the module registers its runs with the launch pool when it is first imported
 from tests.test_stabilizer import StandIn, stabilizer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def small_config(**overrides: object) -> LlamaConfig:
@@ -187,25 +183,7 @@ def test_statistics_skip_evaluation_and_are_cleared_when_read() -> None:
     assert moe.stat_calls == 0
 
 
-# ---- config errors ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("override, message", [
-    ("model.top_k=9", "model.top_k=9 must be between 1 and model.n_experts=8"),
-    ("model.capacity_factor=-1", "capacity_factor must be a finite number >= 0"),
-])
-def test_bad_moe_options_are_one_line_and_exit_2(override: str, message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "trainer", "model=tiny_moe", override],
-                            capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-
-
-def test_moe_options_on_a_model_family_without_them_are_refused() -> None:
-    result = subprocess.run([sys.executable, "-m", "trainer", "model=gpt2_small", "model.n_experts=8"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 2, result.stderr
-    assert "n_experts" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-
-
+# ---- config (the CLI's errors for bad MoE options: tests/test_invalid_inputs.py) ---------------------------
 def test_moe_config_round_trips_through_dataclasses() -> None:
     config = small_config(router_bias_update_rate=1e-3)
     assert LlamaConfig(**dataclasses.asdict(config)) == config

@@ -72,9 +72,9 @@ INSTALL = "installs the package under test into this environment; CI runs this i
 NOT_RUN = {
     "python -m venv .venv": "creates a virtual environment; CI (.ci/run) runs the suite in a new one",
     ". .venv/bin/activate": "activates that virtual environment (the suite runs in one already)",
-    "pip install -c constraints-cpu.txt -e .": INSTALL,
+    "pip install --no-compile -c constraints-cpu.txt -e .": INSTALL,
     'pip install -c constraints.txt -e ".[dev]"': INSTALL,
-    'pip install -c constraints-cpu.txt -e ".[dev]"': INSTALL,
+    'pip install --no-compile -c constraints-cpu.txt -e ".[dev]"': INSTALL,
     'pip install -e ".[data]"': INSTALL,
     "python -m pytest -q": "the test suite itself, of which this test is part",
     'python -m pytest -m "not slow" -q': "the fast tier of the test suite itself (this test is in the full one)",
