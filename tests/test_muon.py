@@ -215,6 +215,59 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_momentum(tmp_path: Path) -
     assert resumed == straight[4:]  # bitwise
 
 
+PLANNED = {
+    "zero1": ["strategy=zero1"],
+    "zero3": ["strategy=zero3"],
+    "ddp": ["strategy=ddp"],
+    "3d zero3 tp2 pp2": ["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero3"],
+    "qwen3_moe 3d fsdp tp2 ep2": ["model=qwen3_moe_tiny", "strategy=3d", "tp=2", "ep=2", "strategy.data_parallel=fsdp"],
+}
+
+
+@pytest.mark.parametrize("name", list(PLANNED))
+def test_the_planner_counts_one_state_for_muons_matrices_and_two_for_the_rest(name: str) -> None:
+    """Ranks 0 and 7 of 8: the analytic bytes equal exact mode's (the real optimizer stepped on meta tensors);
+    Muon's optimizer bytes are AdamW's less one state for each hidden-matrix element the rank holds; its
+    gather traffic is in the communication model."""
+    from trainer.config import validate
+    from trainer.planner.communication import step_collectives
+    from trainer.planner.core import hardware_from_config
+    from trainer.planner.exact import exact_state_bytes
+    from trainer.planner.layout import layout_from_config, model_config
+    from trainer.planner.memory import RankCoords, flavour_sharding, rank_hidden_numel, rank_state_bytes
+    from trainer.planner.params import inventory
+
+    base = ["trainer.devices=8", "trainer.global_batch_size=16", "trainer.micro_batch_size=1", "mode=plan"]
+    muon_cfg, adamw_cfg = compose(base + ["optimizer=muon"] + PLANNED[name]), compose(base + PLANNED[name])
+    validate(muon_cfg)
+    muon, adamw = layout_from_config(muon_cfg), layout_from_config(adamw_cfg)
+    assert (muon.optimizer_states, muon.hidden_matrix_states, adamw.hidden_matrix_states) == (2, 1, None)
+    inv = inventory(model_config(muon_cfg))
+    for rank in (0, 7):
+        coords = RankCoords.of(rank, muon)
+        analytic = rank_state_bytes(inv, muon, coords)
+        exact = exact_state_bytes(muon_cfg, rank)
+        for kind in ("params", "grads", "optimizer"):
+            assert exact[kind] == pytest.approx(analytic[kind], rel=0.01), (rank, kind)
+        full, shard = rank_hidden_numel(inv, muon, coords)
+        held = shard if flavour_sharding(muon.dp_flavour).optimizer else full
+        assert held > 0
+        assert analytic["optimizer"] == rank_state_bytes(inv, adamw, coords)["optimizer"] - 4 * held
+        gathered = [c for c in step_collectives(inv, muon, coords, hardware_from_config(muon_cfg))
+                    if c.op in ("all-gather", "reduce-scatter", "all-reduce")]
+        plain = [c for c in step_collectives(inv, adamw, coords, hardware_from_config(adamw_cfg))
+                 if c.op in ("all-gather", "reduce-scatter", "all-reduce")]
+        assert sum(c.payload_bytes for c in gathered) > sum(c.payload_bytes for c in plain)
+
+
+def test_3d_zero1_with_tensor_parallelism_is_refused_at_validation() -> None:
+    from trainer.config import validate
+
+    with pytest.raises(ValueError, match="needs whole matrices"):
+        validate(compose(["optimizer=muon", "strategy=3d", "tp=2", "strategy.data_parallel=zero1",
+                          "trainer.devices=4", "mode=plan"]))
+
+
 # ---- slow tier: every strategy in the shared launches ----------------------------------------------------------
 SLOW_STEPS = 3
 TWO = {

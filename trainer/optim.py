@@ -1,4 +1,6 @@
-"""Optimizer construction: weight-decay parameter groups and Hydra schemas.
+"""Optimizer construction: the parameter groups (weight decay, hidden matrices) and the optimizer over them.
+
+The optimizers themselves and their Hydra schemas are plugins (plugins/optimizers/, `optimizer=NAME`).
 
 Users configure ``weight_decay`` as part of the optimizer (``conf/optimizer``),
 but it must not apply to every parameter, so the trainer strips it from the
@@ -19,11 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 __all__ = [
-    "AdamWConfig",
     "hidden_matrices",
     "wants_hidden_matrix_group",
-    "SGDConfig",
-    "SCHEMAS",
     "param_groups",
     "optimizer_param_groups",
     "build_optimizer",
@@ -35,16 +34,6 @@ __all__ = [
 # Embedding tables are lookups, not linear maps: decaying them shrinks rows of
 # rare tokens toward zero every step they are not seen.
 _EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
-
-
-# ---------------------------------------------------------------------------
-# Schemas
-# ---------------------------------------------------------------------------
-
-# Each optimizer is a plugin (plugins/optimizers/, one file each) with its schema; the schemas are
-# registered in Hydra's ConfigStore as `<name>_schema` by trainer.config.register_configs
-# (conf/optimizer/*.yaml names it in its defaults list). Re-exported here, where they used to live.
-from trainer.plugins.optimizers import SCHEMAS, AdamWConfig, SGDConfig  # noqa: E402
 
 
 # ---------------------------------------------------------------------------

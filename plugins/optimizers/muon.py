@@ -234,6 +234,8 @@ class Muon(torch.optim.Optimizer):
                         owners: dict[tuple[int, tuple[int, ...]], int]) -> torch.Tensor:
         """This rank's part of NS(whole matrices of `update`), in `update`'s local layout."""
         steps, dtype = group["ns_steps"], _DTYPES[group["ns_dtype"]]
+        if update.is_meta:  # the planner's exact mode: shapes without values, nothing to gather or compute
+            return torch.empty_like(update)
         replicas = self.replica_mesh(param) if self.replica_mesh is not None else None
         layout = _layout_of(param, replicas)
         if layout is None:  # whole matrices here and nowhere else
