@@ -14,17 +14,23 @@ views, FSDP2 and tensor-parallel DTensors) or one of several identical copies (D
 orthogonalised exactly once per step, by one owner rank:
 
 1. the momentum is updated on the local shard (element-wise, no communication);
-2. the update's shards are gathered to whole matrices: ``DTensor.redistribute`` from the matrix's
-   placements to ``Replicate`` on the mesh dimensions that split a matrix dimension (an all-gather; a
-   dimension that splits a batch of matrices, the experts of a MoE layer, stays split: those matrices
-   are whole already). Under tensor parallelism this is the gather over the tp group (the math does not
-   allow orthogonalising per shard: NS of a column block is not a block of NS);
-3. owners go round-robin over the ranks that now hold the same whole matrices (the gathered dimensions,
-   replicated ones, and the copies a strategy keeps outside any DTensor layout: DDP's data-parallel ranks,
-   `Strategy.replica_mesh`), so the work is spread over the data-parallel ranks;
-4. the owner runs Newton-Schulz, every other rank contributes zeros, and one ``redistribute`` from
+2. each matrix gets one owner, round-robin over the ranks that hold pieces or copies of it (the mesh
+   dimensions of its DTensor layout that split a matrix dimension or replicate it, and the copies a
+   strategy keeps outside any DTensor layout: DDP's data-parallel ranks, `Strategy.replica_mesh`), so the
+   work is spread over the data-parallel ranks. A mesh dimension that splits a batch of matrices (the
+   experts of a MoE layer) is no owner group: each rank's matrices are whole already;
+3. one mesh dimension (ZeRO's row views, FSDP2 and tp on their own, DDP's replicas): every rank sends its
+   piece of each matrix to the matrix's owner and the owner sends each rank its piece of the result, two
+   ``all_to_all_single`` per owner group and step for all the matrices together (a replicated matrix
+   sends nothing there: its owner holds it whole, and gets the whole result back);
+4. several mesh dimensions (hybrid sharding, FSDP2 x tp with its strided shards, experts under FSDP2):
+   ``DTensor.redistribute`` to ``Replicate`` on the dimensions that split a matrix (all-gathers), the
+   owner runs Newton-Schulz while every other rank contributes zeros, and one ``redistribute`` from
    ``Partial`` back to the matrix's own placements (a reduce-scatter, or an all-reduce for replicated
-   dimensions) hands every rank its shard of the result: exact, since x + 0 = x.
+   dimensions) hands every rank its part: exact, since x + 0 = x.
+
+Under tensor parallelism the matrices are gathered over the tp group (the math does not allow
+orthogonalising per shard: NS of a column block is not a block of NS).
 
 Expert weights (3-D, ``experts x rows x cols``) are orthogonalised per expert, as a batch of matrices.
 QK-clip (MuonClip, Kimi K2) is not implemented.
@@ -135,6 +141,41 @@ def _layout_of(tensor: torch.Tensor, replicas: DeviceMesh | None) -> _Layout | N
     return layout if layout.group_size > 1 else None
 
 
+@dataclass
+class _Work:
+    """One tensor to orthogonalise this step: its parameter (or stand-in), group, local update, layout, and
+    once computed this rank's part of the result."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    update: torch.Tensor
+    layout: _Layout | None
+    result: torch.Tensor | None = None
+
+
+def _matrix_split(layout: _Layout) -> int | None:
+    """The tensor dimension a 1-D layout splits (None: replicated)."""
+    placement = layout.placements[0]
+    return placement.dim % len(layout.shape) if isinstance(placement, Shard) else None
+
+
+def _exchangeable(layout: _Layout, update: torch.Tensor) -> bool:
+    """Whether the all-to-all exchange handles the layout: one mesh dimension, a plain Shard of a matrix
+    dimension (ceil-sized chunks, as `Muon._exchange` cuts them) or Replicate; else the DTensor path."""
+    if layout.mesh.ndim != 1 or layout.group_dims != (0,):
+        return False
+    placement = layout.placements[0]
+    if isinstance(placement, Replicate):
+        return update.shape == layout.shape
+    if type(placement) is not Shard:
+        return False
+    dim = placement.dim % len(layout.shape)
+    size, world = layout.shape[dim], layout.mesh.size()
+    chunk = -(-size // world)
+    start = min(layout.mesh.get_local_rank() * chunk, size)
+    return update.shape[dim] == min(start + chunk, size) - start
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for the parameter groups with ``use_muon=True`` (matrices, or batches of them in the last two
     dimensions), AdamW for the others; see the module docstring for the update and its distribution.
@@ -203,17 +244,30 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        owners: dict[tuple[int, tuple[int, ...]], int] = {}  # round-robin position per owner group
+        # Every group's momentum first, then the orthogonalisations of all of them together: the matrices
+        # of one owner group share two all-to-alls per step (`_exchange`), whatever their parameter group.
+        work: list[_Work] = []
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_step(group, owners)
+                work += self._momentum_updates(group)
             else:
                 self._adamw_step(group)
+        self._orthogonalise_all(work)
+        for item in work:
+            group, local = item.group, _local(item.param)
+            lr = group["lr"]
+            if group["weight_decay"] != 0.0:
+                local.mul_(1.0 - lr * group["weight_decay"])
+            rows, cols = item.param.shape[-2], item.param.shape[-1]
+            assert item.result is not None
+            local.add_(item.result.to(local.dtype), alpha=-lr * group["rms_scale"] * math.sqrt(max(rows, cols)))
         return loss
 
     # ---- Muon ---------------------------------------------------------------------------------------
-    def _muon_step(self, group: dict[str, Any], owners: dict[tuple[int, tuple[int, ...]], int]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    def _momentum_updates(self, group: dict[str, Any]) -> list[_Work]:
+        """Nesterov momentum on the local shards; the tensors to orthogonalise, with their layouts."""
+        mu = group["momentum"]
+        work = []
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -223,23 +277,132 @@ class Muon(torch.optim.Optimizer):
             grad, buf = _local(param.grad), _local(state["momentum_buffer"])
             buf.mul_(mu).add_(grad)
             update = grad.add(buf, alpha=mu) if group["nesterov"] else buf
-            orthogonal = self._orthogonalised(param, update, group, owners)
-            local = _local(param)
-            if wd != 0.0:
-                local.mul_(1.0 - lr * wd)
-            rows, cols = param.shape[-2], param.shape[-1]
-            local.add_(orthogonal.to(local.dtype), alpha=-lr * group["rms_scale"] * math.sqrt(max(rows, cols)))
+            replicas = self.replica_mesh(param) if self.replica_mesh is not None else None
+            layout = None if update.is_meta else _layout_of(param, replicas)
+            work.append(_Work(param, group, update, layout))
+        return work
 
-    def _orthogonalised(self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any],
-                        owners: dict[tuple[int, tuple[int, ...]], int]) -> torch.Tensor:
-        """This rank's part of NS(whole matrices of `update`), in `update`'s local layout."""
+    def _orthogonalise_all(self, work: list[_Work]) -> None:
+        """Fill every item's `result`: NS of its whole matrices, in its local layout, each matrix computed
+        once. Items whose layout allows it (one mesh dimension that splits a matrix dimension or replicates)
+        are exchanged per owner group in two all-to-alls; the others (2-D meshes, FSDP2's strided shards)
+        go through DTensor redistributes one by one. Every rank of a group sees the same items in the same
+        order (the same parameters), so the collectives pair up."""
+        batches: dict[tuple[Any, ...], list[_Work]] = {}
+        for item in work:
+            if item.update.is_meta:  # the planner's exact mode: shapes without values, nothing to compute
+                item.result = torch.empty_like(item.update)
+            elif item.layout is None:  # whole matrices here and nowhere else
+                item.result = self._newton_schulz(item.update, item.group["ns_steps"],
+                                                  _DTYPES[item.group["ns_dtype"]]).to(item.update.dtype)
+            elif _exchangeable(item.layout, item.update):
+                ranks = tuple(item.layout.mesh.mesh.flatten().tolist())
+                batches.setdefault((ranks, item.update.dtype), []).append(item)
+        for items in batches.values():
+            self._exchange(items)
+        owners: dict[tuple[int, tuple[int, ...]], int] = {}
+        for item in work:
+            if item.result is None:
+                item.result = self._redistributed(item, owners)
+
+    def _exchange(self, items: list[_Work]) -> None:
+        """Owners round-robin over a 1-D group: every rank sends its piece of each matrix to the matrix's
+        owner (nothing for replicated ones: the owner holds it whole), the owner runs Newton-Schulz, and
+        sends every rank its piece of the result (the whole of a replicated one): two
+        `all_to_all_single` per group and step, each moving (W - 1) / W of the pieces at most."""
+        layout = items[0].layout
+        assert layout is not None
+        mesh = layout.mesh
+        group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        dtype, device = items[0].update.dtype, items[0].update.device
+        owner = [k % world for k in range(len(items))]
+        dims = [_matrix_split(item.layout) for item in items]  # type: ignore[arg-type]
+
+        def piece(k: int, rank: int) -> tuple[int, int]:  # (start, end) of `rank`'s piece along dims[k]
+            size = items[k].layout.shape[dims[k]]  # type: ignore[union-attr]
+            chunk = -(-size // world)
+            start = min(rank * chunk, size)
+            return start, min(start + chunk, size)
+
+        def numel(k: int, rows: int) -> int:
+            shape = items[k].layout.shape  # type: ignore[union-attr]
+            return rows * math.prod(shape) // max(shape[dims[k]], 1) if shape[dims[k]] else 0
+
+        # 1. pieces to their owners (a replicated matrix sends nothing: its owner has it)
+        send_sizes, sends = [0] * world, [[] for _ in range(world)]  # type: list[int], list[list[torch.Tensor]]
+        receive_sizes = [0] * world
+        for k, item in enumerate(items):
+            if dims[k] is None:
+                continue
+            start, end = piece(k, me)
+            sends[owner[k]].append(item.update.reshape(-1))
+            send_sizes[owner[k]] += numel(k, end - start)
+            if owner[k] == me:
+                for rank in range(world):
+                    start, end = piece(k, rank)
+                    receive_sizes[rank] += numel(k, end - start)
+        received = self._all_to_all(sends, send_sizes, receive_sizes, dtype, device, group)
+        # 2. whole matrices on their owners, orthogonalised
+        offsets = [0] * world
+        results: dict[int, torch.Tensor] = {}
+        for k, item in enumerate(items):
+            if owner[k] != me:
+                continue
+            if dims[k] is None:
+                whole = item.update
+            else:
+                parts = []
+                for rank in range(world):
+                    start, end = piece(k, rank)
+                    count = numel(k, end - start)
+                    shape = list(item.layout.shape)  # type: ignore[union-attr]
+                    shape[dims[k]] = end - start
+                    parts.append(received[rank][offsets[rank]:offsets[rank] + count].view(shape))
+                    offsets[rank] += count
+                whole = torch.cat(parts, dim=dims[k])
+            results[k] = self._newton_schulz(whole, item.group["ns_steps"],
+                                             _DTYPES[item.group["ns_dtype"]]).to(dtype)
+        # 3. each rank's piece of every result back (the whole of a replicated one)
+        sends, send_sizes, receive_sizes = [[] for _ in range(world)], [0] * world, [0] * world
+        for k, item in enumerate(items):
+            for rank in range(world):
+                if dims[k] is None:
+                    size = item.update.numel()
+                else:
+                    start, end = piece(k, rank)
+                    size = numel(k, end - start)
+                if owner[k] == me:
+                    out = results[k] if dims[k] is None else results[k].narrow(dims[k], start, end - start)
+                    sends[rank].append(out.reshape(-1))
+                    send_sizes[rank] += size
+                if rank == me:
+                    receive_sizes[owner[k]] += size
+        received = self._all_to_all(sends, send_sizes, receive_sizes, dtype, device, group)
+        offsets = [0] * world
+        for k, item in enumerate(items):
+            size = item.update.numel()
+            item.result = received[owner[k]][offsets[owner[k]]:offsets[owner[k]] + size].view(item.update.shape)
+            offsets[owner[k]] += size
+
+    @staticmethod
+    def _all_to_all(sends: list[list[torch.Tensor]], send_sizes: list[int], receive_sizes: list[int],
+                    dtype: torch.dtype, device: torch.device, group: Any) -> list[torch.Tensor]:
+        """One `all_to_all_single` of the concatenated `sends[rank]`; what came from each rank."""
+        import torch.distributed as dist
+
+        flat = [t for chunks in sends for t in chunks]
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        receive = torch.empty(sum(receive_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(receive, send, receive_sizes, send_sizes, group=group)
+        return list(receive.split(receive_sizes))
+
+    def _redistributed(self, item: _Work, owners: dict[tuple[int, tuple[int, ...]], int]) -> torch.Tensor:
+        """This rank's part of NS(whole matrices of the item's update), through DTensor: the split matrix
+        dimensions all-gathered, the owner's result (zeros elsewhere) redistributed from Partial back to the
+        tensor's placements."""
+        layout, update, group = item.layout, item.update, item.group
+        assert layout is not None
         steps, dtype = group["ns_steps"], _DTYPES[group["ns_dtype"]]
-        if update.is_meta:  # the planner's exact mode: shapes without values, nothing to gather or compute
-            return torch.empty_like(update)
-        replicas = self.replica_mesh(param) if self.replica_mesh is not None else None
-        layout = _layout_of(param, replicas)
-        if layout is None:  # whole matrices here and nowhere else
-            return self._newton_schulz(update, steps, dtype)
         whole = DTensor.from_local(update, layout.mesh, layout.placements, run_check=False, shape=layout.shape,
                                    stride=layout.stride)
         if layout.gathered != layout.placements:
