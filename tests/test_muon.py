@@ -289,7 +289,15 @@ def _runs(world: int, table: dict[str, tuple[list[str], list[str]]]) -> list[dic
         f"+callbacks.ns.directory={_OUT / f'np{world}' / name}"]} for name, (model, strategy) in table.items()]
 
 
-POOL.add("muon", 2, _runs(2, TWO))
+# Resume across layouts: zero1 saves after step 2 (its states are checkpointed in the parameters' layouts),
+# tp=2 resumes from it in the same launch (runs go in order) for the last step; its weights must end where
+# the reference's do.
+_SAVED = _OUT / "np2" / "zero1" / "checkpoints" / "step_00000002"
+_RESUMED = {"name": "tp2_from_zero1", "overrides": MODEL + loop(SLOW_STEPS) + MUON + TWO["tp2"][1] + [
+    "trainer.devices=2", f"resume={_SAVED}"]}
+POOL.add("muon", 2, [{**run, "overrides": run["overrides"] + (
+    ["callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=2"] if run["name"] == "zero1" else [])} for run in _runs(2, TWO)]
+    + [_RESUMED])
 POOL.add("muon", 4, _runs(4, FOUR))
 
 
@@ -330,3 +338,19 @@ def test_every_strategy_matches_the_reference(launches: Path, world: int, name: 
     # each matrix (each expert's) orthogonalised exactly once per step, over all ranks together
     counted = json.loads((run / "ns.json").read_text())["ns_matrices"]
     assert counted == json.loads((single / "ns.json").read_text())["ns_matrices"]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_under_another_layout_continues_the_momentum(launches: Path) -> None:
+    """zero1's checkpoint of step 2 (momentum buffers as whole parameters) resumed under tp=2 for step 3: the
+    loss and the final weights of the reference, which a lost or misplaced momentum would not give."""
+    run, single = launches / "np2" / "tp2_from_zero1", launches / "single"
+    assert _SAVED.is_dir()
+    resumed, expected = column(run), column(single)[2:]
+    assert len(resumed) == SLOW_STEPS - 2
+    for a, b in zip(resumed, expected, strict=True):
+        assert a == pytest.approx(b, rel=LOSS_RTOL)
+    difference = max_weight_difference(torch.load(run / "weights.pt", weights_only=True),
+                                       torch.load(single / "weights.pt", weights_only=True))
+    print(f"tp2_from_zero1: max |weight difference| {difference:.3g}")
+    assert difference < WEIGHT_ATOL
