@@ -33,7 +33,8 @@ Under tensor parallelism the matrices are gathered over the tp group (the math d
 orthogonalising per shard: NS of a column block is not a block of NS).
 
 Expert weights (3-D, ``experts x rows x cols``) are orthogonalised per expert, as a batch of matrices.
-QK-clip (MuonClip, Kimi K2) is not implemented.
+QK-clip (MuonClip, Kimi K2) is not implemented. Untested: an optimizer offloaded to host memory on a GPU
+(`offload_optimizer`), whose exchange would hand NCCL host tensors; on CPU (gloo) it is the same path.
 """
 
 from __future__ import annotations
