@@ -69,7 +69,7 @@ def newton_schulz(matrices: torch.Tensor, steps: int = 5, dtype: torch.dtype = t
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
         gram = x @ x.mT
         poly = b * gram + c * (gram @ gram)
