@@ -121,7 +121,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("trainer", ["optimizer=sgd", "optimizer.momentum=-0.5"], 2, "optimizer.momentum: must be >= 0"),
     ("trainer", ["optimizer=sgd", "optimizer.momentum=0", "optimizer.nesterov=true"], 2,
      "optimizer.nesterov: nesterov needs optimizer.momentum > 0"),
-    ("trainer", ["optimizer=adam"], 2, "optimizer=adam: no such option; available: adamw, sgd"),
+    ("trainer", ["optimizer=adam"], 2, "optimizer=adam: no such option; available: adamw, muon, sgd"),
     ("trainer", ["optimizer.betas_=[0.9,0.9]"], 2, "unknown key; did you mean 'betas'?"),
     # ---- config: LR schedule -------------------------------------------------------------------------
     ("trainer", ["lr_schedule.warmup_steps=-1"], 2, "lr_schedule: warmup_steps must be in [0, inf), got -1"),

@@ -12,12 +12,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainer.optim import (
-    AdamWConfig,
-    SGDConfig,
     build_optimizer,
     optimizer_from_config,
     param_groups,
 )
+from trainer.plugins.optimizers import AdamWConfig, SGDConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "optimizer"
 SCHEMAS: dict[str, type] = {"adamw": AdamWConfig, "sgd": SGDConfig}

@@ -1,4 +1,6 @@
-"""Optimizer construction: weight-decay parameter groups and Hydra schemas.
+"""Optimizer construction: the parameter groups (weight decay, hidden matrices) and the optimizer over them.
+
+The optimizers themselves and their Hydra schemas are plugins (plugins/optimizers/, `optimizer=NAME`).
 
 Users configure ``weight_decay`` as part of the optimizer (``conf/optimizer``),
 but it must not apply to every parameter, so the trainer strips it from the
@@ -10,8 +12,7 @@ optimizer partial and applies it per group instead::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import hydra.utils
@@ -20,69 +21,19 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 __all__ = [
-    "AdamWConfig",
-    "SGDConfig",
-    "SCHEMAS",
+    "hidden_matrices",
+    "wants_hidden_matrix_group",
     "param_groups",
+    "optimizer_param_groups",
     "build_optimizer",
     "optimizer_from_config",
     "optimizer_state_tensors",
+    "hidden_matrix_state_tensors",
 ]
 
 # Embedding tables are lookups, not linear maps: decaying them shrinks rows of
 # rare tokens toward zero every step they are not seen.
 _EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
-
-
-# ---------------------------------------------------------------------------
-# Schemas
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class AdamWConfig:
-    """Schema of ``conf/optimizer/adamw.yaml`` (:class:`torch.optim.AdamW`)."""
-
-    _target_: str = "torch.optim.AdamW"
-    # Must stay true: parameters are supplied by the trainer.
-    _partial_: bool = True
-    # Peak learning rate; LR schedules multiply this value.
-    lr: float = 3.0e-3
-    # Exponential decay rates of the first and second moment estimates.
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    # Added to the denominator for numerical stability.
-    eps: float = 1.0e-8
-    # Decoupled weight decay, applied only to the "decay" parameter group.
-    weight_decay: float = 0.1
-    # Fused kernel. null: fused wherever torch has the kernel for every tensor the optimizer steps (plain
-    # floating tensors or DTensor shards on CPU or CUDA; torchtitan's default too), else torch's choice; on
-    # CPU torch would otherwise step tensor by tensor: 4.7x slower on ZeRO-1's row views of the tiny model
-    # (benchmarks/optimizer_step.py, docs/BENCHMARKS.md).
-    fused: bool | None = None
-    # Multi-tensor implementation (null: let torch choose). Setting it turns the automatic fused kernel off.
-    foreach: bool | None = None
-
-
-@dataclass
-class SGDConfig:
-    """Schema of ``conf/optimizer/sgd.yaml`` (:class:`torch.optim.SGD`)."""
-
-    _target_: str = "torch.optim.SGD"
-    # Must stay true: parameters are supplied by the trainer.
-    _partial_: bool = True
-    # Peak learning rate; LR schedules multiply this value.
-    lr: float = 0.1
-    # Momentum factor (0 disables momentum).
-    momentum: float = 0.9
-    # Nesterov momentum (requires momentum > 0).
-    nesterov: bool = False
-    # L2 penalty added to the gradient, applied only to the "decay" parameter group.
-    weight_decay: float = 0.0
-
-
-# Schema of each optimizer, registered in Hydra's ConfigStore as `<name>_schema` by
-# trainer.config.register_configs (conf/optimizer/*.yaml names it in its defaults list).
-SCHEMAS: dict[str, type] = {"adamw": AdamWConfig, "sgd": SGDConfig}
 
 
 # ---------------------------------------------------------------------------
@@ -108,8 +59,50 @@ def _excluded_from_decay(module: nn.Module, param: nn.Parameter) -> bool:
     return param.ndim < 2 or isinstance(module, _EMBEDDING_TYPES)
 
 
-def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
-    """Split trainable parameters into a weight-decay and a no-decay group.
+def _head_weights(roots: Sequence[nn.Module]) -> set[int]:
+    """The ids of the output layers' weights among `roots` (a model, its pipeline stages), as their model
+    family declares them (`ModelFamily.tied_weights`); none for a module of no family (a test's toy)."""
+    from trainer.models import family_of
+
+    heads: set[int] = set()
+    for root in roots:
+        try:
+            family = family_of(root)
+        except TypeError:
+            continue
+        model = root
+        while isinstance(getattr(model, "_orig_mod", None) or getattr(model, "module", None), nn.Module):
+            model = getattr(model, "_orig_mod", None) or model.module  # DDP / torch.compile wrappers
+        head = family.tied_weights(model)[1]
+        if head is not None:
+            heads.add(id(head))
+    return heads
+
+
+def hidden_matrices(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The hidden weight matrices of `modules`: what Muon-style optimizers orthogonalise.
+
+    Every trainable parameter with two or more dimensions (a batch of matrices in the last two: a MoE
+    layer's experts) except embedding tables (lookups, not linear maps), the output layer (the family's
+    head: its rows are per-token logits, which Moonlight and Kimi step with AdamW) and anything sharing a
+    parameter with either (a tied head). In traversal order, each once."""
+    roots = list(modules)
+    heads = _head_weights(roots)
+    params: dict[int, nn.Parameter] = {}
+    excluded: set[int] = set()
+    for module, param in _owned_parameters(roots):
+        if not param.requires_grad:
+            continue
+        params.setdefault(id(param), param)
+        if _excluded_from_decay(module, param) or id(param) in heads:
+            excluded.add(id(param))
+    return [p for key, p in params.items() if key not in excluded]
+
+
+def param_groups(modules: Iterable[nn.Module], weight_decay: float,
+                 hidden_matrix_group: bool = False) -> list[dict[str, Any]]:
+    """Split trainable parameters into a weight-decay and a no-decay group (and, when asked, the hidden
+    matrices into a group of their own): the one place that decides which parameter gets what.
 
     No decay: every parameter with fewer than two dimensions (biases,
     LayerNorm/RMSNorm weights, custom scales) and every weight of an
@@ -123,34 +116,58 @@ def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict
     LM head follows its embedding into ``no_decay``.  Parameters with
     ``requires_grad=False`` are left out.
 
+    With ``hidden_matrix_group`` (an optimizer such as Muon asks for it), the :func:`hidden_matrices`
+    leave the decay group for a first group ``{"name": "muon", "use_muon": True}`` with the same decay;
+    the output layer stays in "decay".
+
     Args:
         modules: Modules to collect parameters from, in order.
-        weight_decay: Decay coefficient of the "decay" group; must be >= 0.
+        weight_decay: Decay coefficient of the "decay" (and "muon") group; must be >= 0.
+        hidden_matrix_group: Put the hidden matrices in a group of their own.
 
     Returns:
-        Up to two groups, ``{"name": "decay" | "no_decay", "params": [...],
+        Up to two (three) groups, ``{"name": "decay" | "no_decay", "params": [...],
         "weight_decay": float}``, empty groups dropped.
     """
     if not weight_decay >= 0.0:  # phrased to reject NaN as well
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
+    modules = list(modules)
     # Ordered by first appearance; dicts keep insertion order.
     params: dict[int, nn.Parameter] = {}
     no_decay_ids: set[int] = set()
-    for module, param in _owned_parameters(list(modules)):
+    for module, param in _owned_parameters(modules):
         if not param.requires_grad:
             continue
         params.setdefault(id(param), param)
         if _excluded_from_decay(module, param):
             no_decay_ids.add(id(param))
 
-    decay = [p for key, p in params.items() if key not in no_decay_ids]
+    hidden_ids = {id(p) for p in hidden_matrices(modules)} if hidden_matrix_group else set()
+    decay = [p for key, p in params.items() if key not in no_decay_ids and key not in hidden_ids]
     no_decay = [p for key, p in params.items() if key in no_decay_ids]
     groups = [
         {"name": "decay", "params": decay, "weight_decay": float(weight_decay)},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+    if hidden_matrix_group:
+        hidden = [p for key, p in params.items() if key in hidden_ids]
+        groups.insert(0, {"name": "muon", "params": hidden, "weight_decay": float(weight_decay), "use_muon": True})
     return [group for group in groups if group["params"]]
+
+
+def wants_hidden_matrix_group(optimizer_factory: Callable[..., Any]) -> bool:
+    """Whether the optimizer class behind `optimizer_factory` (a partial of it) steps the hidden matrices as
+    a group of their own (its class attribute ``hidden_matrix_group``, e.g. Muon)."""
+    target = getattr(optimizer_factory, "func", optimizer_factory)
+    return bool(getattr(target, "hidden_matrix_group", False))
+
+
+def optimizer_param_groups(optimizer_factory: Callable[..., Any], modules: Iterable[nn.Module],
+                           weight_decay: float) -> list[dict[str, Any]]:
+    """:func:`param_groups` as the optimizer behind `optimizer_factory` wants them (what strategies that
+    step stand-ins of the parameters, ZeRO's row views, build their groups from)."""
+    return param_groups(modules, weight_decay, hidden_matrix_group=wants_hidden_matrix_group(optimizer_factory))
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +197,7 @@ def build_optimizer(
         raise ValueError(
             "optimizer_factory must not set weight_decay; pass it to build_optimizer instead"
         )
-    groups = param_groups(modules, weight_decay)
+    groups = optimizer_param_groups(optimizer_factory, modules, weight_decay)
     if not groups:
         raise ValueError("no trainable parameters found in the given modules")
     return optimizer_factory(groups)
@@ -267,12 +284,17 @@ _ASSUMED_STATE_TENSORS = 2
 
 
 @functools.lru_cache(maxsize=16)
-def _state_tensors_of(options_yaml: str) -> int:
+def _state_tensors_of(options_yaml: str, hidden_matrix: bool = False) -> int | None:
     factory, weight_decay = optimizer_factory_from_config(OmegaConf.create(options_yaml))
+    group: dict[str, Any] = {"weight_decay": weight_decay}
+    if hidden_matrix:
+        if not wants_hidden_matrix_group(factory):
+            return None
+        group["use_muon"] = True  # the group `param_groups(..., hidden_matrix_group=True)` makes
     # A matrix (optimizers such as Muon refuse vectors) with a gradient: states are created by the first step.
     stand_in = nn.Parameter(torch.zeros(4, 4))
     try:
-        optimizer = factory([{"params": [stand_in], "weight_decay": weight_decay}])
+        optimizer = factory([{**group, "params": [stand_in]}])
         stand_in.grad = torch.ones_like(stand_in)
         optimizer.step()
     except Exception:  # noqa: BLE001 - an optimizer that cannot step on CPU here is planned conservatively
@@ -283,12 +305,23 @@ def _state_tensors_of(options_yaml: str) -> int:
 
 def optimizer_state_tensors(cfg: DictConfig) -> int:
     """How many tensors the size of its parameter the configured optimizer keeps for each parameter
-    (AdamW: exp_avg and exp_avg_sq, 2; SGD with momentum: 1; plain SGD: 0), for the memory planner.
+    (AdamW: exp_avg and exp_avg_sq, 2; SGD with momentum: 1; plain SGD: 0), for the memory planner; for an
+    optimizer that steps the hidden matrices apart (Muon), what it keeps for the other parameters
+    (`hidden_matrix_state_tensors` counts the matrices').
 
     Found by stepping the optimizer once on a small stand-in parameter rather than read from the spelling
     of its `_target_`: any class counts right, also one whose name says nothing (or misleads).
     """
-    return _state_tensors_of(OmegaConf.to_yaml(cfg, resolve=True))
+    count = _state_tensors_of(OmegaConf.to_yaml(cfg, resolve=True))
+    assert count is not None
+    return count
+
+
+def hidden_matrix_state_tensors(cfg: DictConfig) -> int | None:
+    """How many tensors the size of its parameter the configured optimizer keeps for each hidden matrix
+    when it steps them as a group of their own (Muon: the momentum buffer, 1), found as
+    `optimizer_state_tensors` finds its count; None for an optimizer that treats every parameter alike."""
+    return _state_tensors_of(OmegaConf.to_yaml(cfg, resolve=True), True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

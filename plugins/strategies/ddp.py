@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.interfaces.precision import DTYPE_NAMES, Precision
-from trainer.optim import optimizer_factory_from_config, param_groups
+from trainer.optim import optimizer_factory_from_config, optimizer_param_groups
 from trainer.parallel_dims import shard_rows
 from trainer.plugins.strategies.distributed import DistributedStrategy
 
@@ -209,7 +209,7 @@ class ShardedOptimizerStates:
     def build_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         factory, weight_decay = optimizer_factory_from_config(optimizer_cfg)
         groups = []
-        for group in param_groups(model_parts, weight_decay):
+        for group in optimizer_param_groups(factory, model_parts, weight_decay):
             views = [self._sharded_view(p) for p in group["params"]]
             groups.append({**group, "params": views})
         return factory(groups)

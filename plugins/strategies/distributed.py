@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
@@ -323,6 +324,17 @@ class DistributedStrategy(Strategy):
             return
         grads = [_local(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None]
         average_in_buckets(grads, self.context_parallel.group)
+
+    def replica_mesh(self, tensor: torch.Tensor) -> DeviceMesh | None:
+        """A plain tensor the optimizer steps is replicated over the ranks that average gradients (dp x cp:
+        DDP's parameters; the sharding strategies hand the optimizer DTensors, whose placements say it all).
+        Under expert parallelism an expert tensor split over the ep ranks alone (Shard(0): whole experts on
+        each) is replicated over the ranks holding the same experts (edp)."""
+        if isinstance(tensor, DTensor):
+            if self.dims.ep_enabled and tensor.device_mesh == self.dims.ep_mesh():
+                return self.dims.edp_mesh()
+            return None
+        return self.dims.dp_cp_mesh()
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return getattr(module, "module", module)  # DistributedDataParallel keeps the model as `.module`

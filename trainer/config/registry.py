@@ -36,7 +36,7 @@ def families() -> list[Family]:
     """The config groups and their families' SCHEMAS (imports the families)."""
     from trainer.data import SCHEMAS as DATA_SCHEMAS
     from trainer.models import SCHEMAS as MODEL_SCHEMAS
-    from trainer.optim import SCHEMAS as OPTIMIZER_SCHEMAS
+    from trainer.plugins.optimizers import SCHEMAS as OPTIMIZER_SCHEMAS
     from trainer.planner.hardware import SCHEMAS as HARDWARE_SCHEMAS
     from trainer.plugins.activation_checkpointing import SCHEMAS as ACTIVATION_CHECKPOINTING_SCHEMAS
     from trainer.plugins.callbacks import SCHEMAS as CALLBACK_SCHEMAS

@@ -333,6 +333,22 @@ def _validate_optimizer_fields(node: DictConfig) -> None:
                  f"nesterov needs optimizer.dampening=0, got {node.dampening}")
 
 
+def _validate_whole_matrix_optimizer(cfg: DictConfig, factory: Any) -> None:
+    """An optimizer that orthogonalises whole matrices (Muon) finds them from each stepped tensor's layout;
+    3d's zero1 flavour under tensor parallelism steps row views of tensor-parallel shards, a nesting of
+    layouts it does not resolve."""
+    from trainer.optim import wants_hidden_matrix_group
+
+    if not wants_hidden_matrix_group(factory):
+        return
+    strategy = cfg.strategy
+    if (str(strategy.get("_target_", "")).endswith(".ThreeD") and strategy.get("data_parallel") == "zero1"
+            and int(cfg.tp) > 1):
+        raise ConfigError("optimizer", f"{cfg.optimizer._target_} needs whole matrices, which strategy=3d "
+                          "strategy.data_parallel=zero1 with tp > 1 does not let it gather (row views of tensor-"
+                          "parallel shards); use strategy.data_parallel=zero3, fsdp or ddp, or tp=1")
+
+
 def _validate_optimization(cfg: DictConfig) -> None:
     from hydra.utils import instantiate
 
@@ -348,6 +364,7 @@ def _validate_optimization(cfg: DictConfig) -> None:
         factory([{"params": [torch.nn.Parameter(torch.zeros(1))], "weight_decay": weight_decay}])
     except Exception as error:  # noqa: BLE001 - whatever the class refuses (Hydra wraps it) is a config error
         raise _plugin_error("optimizer", error) from None
+    _validate_whole_matrix_optimizer(cfg, factory)
     try:
         instantiate(cfg.lr_schedule)(total_steps=total_steps(cfg))
     except (ValueError, TypeError) as error:

@@ -202,8 +202,20 @@ class Strategy:
         precision plugin before anything steps or loads it (bf16_true installs its fp32 masters)."""
         optimizer = self.make_optimizer(optimizer_cfg, model_parts)
         self.precision.setup_optimizer(optimizer, host=self.optimizer_host)
+        # An optimizer that works on whole matrices (Muon) needs to know which ranks hold copies of what it
+        # steps beyond what a DTensor's layout says, so that one of them does the work for all.
+        attach = getattr(optimizer, "attach_replicas", None)
+        if callable(attach):
+            attach(self.replica_mesh)
         self.optimizer = optimizer
         return optimizer
+
+    def replica_mesh(self, tensor: torch.Tensor) -> Any:
+        """The ranks (a DeviceMesh) that hold the same values of `tensor`, a tensor the optimizer steps, as
+        this rank, beyond what its DTensor placements say (DDP's replicated parameters), with its local
+        values whole matrices; None when no other rank does. One process: None."""
+        del tensor
+        return None
 
     @property
     def optimizer_host(self) -> torch.device | None:

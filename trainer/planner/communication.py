@@ -26,6 +26,11 @@ What each strategy of this trainer communicates (M micro-batches per step):
   stage's multi-token-prediction blocks (DeepSeek-V3) theirs. Keys and values of MLA have widths of their
   own (`head_dim`, `value_dim`). Gradients of the weights are averaged over dp x cp (the dp groups above
   include the cp ranks).
+- Muon (`optimizer=muon`, per step): each hidden matrix is orthogonalised whole by one owner rank, so its
+  update's shards are all-gathered over the ranks that split it and the result reduce-scattered back (the
+  owner's result, zeros elsewhere): over dp for the sharded flavours, over tp for tensor-parallel splits;
+  under ddp only the all-reduce that hands the owner's result to the replicas. One collective of each kind
+  per matrix (a MoE layer's experts: one per tensor).
 - ep (per MoE layer and micro-batch): the top_k copies of each of this rank's tokens go to their experts'
   ranks and come back (two all-to-alls in the forward, two in the backward, again for a recomputed block),
   each moving (ep-1)/ep of tokens x top_k x dim activations (uniform routing); expert gradients are
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 
 from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import Layout
-from trainer.planner.memory import RankCoords, rank_numel, rank_part
+from trainer.planner.memory import RankCoords, is_hidden_matrix, rank_hidden_numel, rank_numel, rank_part, rank_param_specs
 from trainer.planner.params import ModelInventory
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, P2P = "all-reduce", "all-gather", "reduce-scatter", "point-to-point"
@@ -127,6 +132,8 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
         if layout.dp_replicate > 1:
             out.append(Collective("dp", ALL_REDUCE, units * reductions, layout.dp_replicate,
                                   reductions * shard * layout.reduce_bytes, spans_nodes(layout, "dp_replicate", gpn)))
+    if layout.hidden_matrix_states is not None:
+        out += muon_collectives(inv, layout, coords, gpn)
     if layout.cp > 1:
         out += context_parallel_collectives(inv, layout, coords, gpn)
     if layout.ep > 1 and inv.n_experts:
@@ -154,6 +161,36 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
         sends = m * max(boundaries, 0)
         out.append(Collective("pp", P2P, sends, 2, sends * activation, spans_nodes(layout, "pp", gpn)))
     return [c.timed(hardware) for c in out]
+
+
+def muon_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords, devices_per_node: int) -> list[Collective]:
+    """Muon's traffic at the optimizer step (see the module docstring): whole hidden matrices gathered to
+    their owners and the owners' results handed back."""
+    out: list[Collective] = []
+    hidden, _ = rank_hidden_numel(inv, layout, coords)  # this rank's model-parallel part of them
+    matrices = sum(copies for spec, copies in rank_param_specs(inv, layout, coords.pp) if is_hidden_matrix(inv, spec))
+    if not matrices:
+        return out
+    flavour = layout.dp_flavour
+    payload = hidden * layout.param_bytes
+    if flavour in ("zero1", "zero2") and layout.replica_group > 1:
+        group, span = layout.replica_group, _spans(layout, ("dp_replicate", "cp"), devices_per_node)
+    elif layout.fsdp and layout.shard_group > 1:
+        group, span = layout.shard_group, _spans(layout, ("dp_shard", "cp"), devices_per_node)
+    else:
+        group, span = 0, False
+    if group:
+        out.append(Collective("dp", ALL_GATHER, matrices, group, payload, span))
+        out.append(Collective("dp", REDUCE_SCATTER, matrices, group, payload, span))
+    elif flavour == "ddp" and layout.replica_group > 1:
+        out.append(Collective("dp", ALL_REDUCE, matrices, layout.replica_group, payload,
+                              _spans(layout, ("dp_replicate", "cp"), devices_per_node)))
+    if layout.tp > 1:
+        whole = payload * layout.tp  # the tp ranks' shards of each matrix together
+        span = spans_nodes(layout, "tp", devices_per_node)
+        out.append(Collective("tp", ALL_GATHER, matrices, layout.tp, whole, span))
+        out.append(Collective("tp", REDUCE_SCATTER, matrices, layout.tp, whole, span))
+    return out
 
 
 def _spans(layout: Layout, dimensions: tuple[str, ...], devices_per_node: int) -> bool:

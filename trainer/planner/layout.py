@@ -15,7 +15,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.optim import optimizer_state_tensors
+from trainer.optim import hidden_matrix_state_tensors, optimizer_state_tensors
 if TYPE_CHECKING:
     from trainer.interfaces.activation_checkpointing import ActivationCheckpointing
     from trainer.interfaces.precision import Precision
@@ -91,6 +91,9 @@ class Layout:
     master_bytes: int = 0
     # Optimizer state tensors per parameter (AdamW: exp_avg and exp_avg_sq; SGD with momentum: 1).
     optimizer_states: int = 2
+    # States per element of the hidden matrices when the optimizer steps them apart (Muon: its momentum, 1;
+    # the other parameters keep `optimizer_states`, AdamW's 2); None: the same as every parameter.
+    hidden_matrix_states: int | None = None
     optimizer_state_bytes: int = 4
     # The optimizer config asks for torch's fused kernel, or leaves it to the default that takes it where
     # it runs (`fused: null` and no `foreach`: trainer.optim.optimizer_factory_from_config).
@@ -220,7 +223,8 @@ def layout_from_config(cfg: DictConfig, *, precision: Optional[Precision] = None
         param_bytes=DTYPE_BYTES[param_dtype], compute_bytes=DTYPE_BYTES[compute_dtype], compute_dtype=compute_dtype,
         unsharded_param_bytes=DTYPE_BYTES[unsharded], reduce_bytes=DTYPE_BYTES[reduce],
         master_bytes=4 if master else 0,
-        optimizer_states=states, optimizer_state_bytes=4 if master else DTYPE_BYTES[param_dtype],
+        optimizer_states=states, hidden_matrix_states=hidden_matrix_state_tensors(cfg.optimizer),
+        optimizer_state_bytes=4 if master else DTYPE_BYTES[param_dtype],
         optimizer_fused_requested=_fused_requested(cfg.optimizer), compiled=bool(t.compile),
     )
 

@@ -227,14 +227,29 @@ def rank_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list[
 
 def rank_numel(inv: ModelInventory, layout: Layout, coords: RankCoords) -> tuple[int, int]:
     """(model-parallel local elements, of which this rank's data-parallel shard) for one rank."""
+    return _rank_numel(inv, _numel_key(layout), coords, False)
+
+
+def rank_hidden_numel(inv: ModelInventory, layout: Layout, coords: RankCoords) -> tuple[int, int]:
+    """`rank_numel` of the hidden matrices only (`is_hidden_matrix`): what Muon steps with one state."""
+    return _rank_numel(inv, _numel_key(layout), coords, True)
+
+
+def is_hidden_matrix(inv: ModelInventory, spec: ParamSpec) -> bool:
+    """Whether the planner counts `spec` as a hidden matrix (the planner's mirror of
+    `trainer.optim.hidden_matrices`): a block's parameter of two or more dimensions (not the embedding,
+    the final norm or the output head)."""
+    return len(spec.shape) >= 2 and spec not in inv.embedding and spec not in inv.head and spec != inv.tied_head
+
+
+def _numel_key(layout: Layout) -> tuple:
     # cached on what decides it, so the search's policy and micro-batch variants share the result
-    key = (layout.tp, layout.pp, layout.virtual_stages, layout.layers_per_stage, layout.embedding_weight,
-           layout.head_weight, layout.dp_flavour, layout.dp_replicate, layout.dp_shard, layout.cp, layout.ep)
-    return _rank_numel(inv, key, coords)
+    return (layout.tp, layout.pp, layout.virtual_stages, layout.layers_per_stage, layout.embedding_weight,
+            layout.head_weight, layout.dp_flavour, layout.dp_replicate, layout.dp_shard, layout.cp, layout.ep)
 
 
 @functools.lru_cache(maxsize=65536)
-def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[int, int]:
+def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords, hidden_only: bool) -> tuple[int, int]:
     tp, pp, virtual, per_stage, embedding_weight, head_weight, flavour, replicate, shards, cp, ep = key
     layout = Layout(world_size=tp * pp * replicate * shards * cp, dp_replicate=replicate, dp_shard=shards, tp=tp,
                     pp=pp, cp=cp, strategy="", dp_flavour=flavour, virtual_stages=virtual, layers_per_stage=per_stage,
@@ -247,6 +262,8 @@ def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[in
     full = shard = 0
     flavour = layout.dp_flavour
     for spec, copies in rank_param_specs(inv, layout, coords.pp):
+        if hidden_only and not is_hidden_matrix(inv, spec):
+            continue
         shape = spec.local_shape(layout.tp)
         if spec.expert and ep > 1:
             shape = (shape[0] // ep, *shape[1:])
@@ -278,4 +295,11 @@ def _rank_numel(inv: ModelInventory, key: tuple, coords: RankCoords) -> tuple[in
 def rank_state_bytes(inv: ModelInventory, layout: Layout, coords: RankCoords) -> dict[str, float]:
     """{params, grads, optimizer} bytes one rank holds after a step (what `summary.json` reports)."""
     full, shard = rank_numel(inv, layout, coords)
-    return model_state_bytes(full, shard, flavour_sharding(layout.dp_flavour), bytes_per_param(layout))
+    sharding = flavour_sharding(layout.dp_flavour)
+    held = model_state_bytes(full, shard, sharding, bytes_per_param(layout))
+    if layout.hidden_matrix_states is not None and layout.hidden_matrix_states != layout.optimizer_states:
+        # Muon: its hidden matrices keep one momentum buffer, not AdamW's two moments
+        hidden_full, hidden_shard = rank_hidden_numel(inv, layout, coords)
+        fewer = (layout.optimizer_states - layout.hidden_matrix_states) * layout.optimizer_state_bytes
+        held["optimizer"] -= fewer * (hidden_shard if sharding.optimizer else hidden_full)
+    return held
