@@ -125,10 +125,12 @@ class SelectiveCheckpointing(ActivationCheckpointing):
         return CheckpointPolicy.MUST_SAVE if op in self.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     def check_strategy(self, strategy: Any) -> None:
-        # The zero-bubble schedule runs each stage's backward twice (input gradients, then weight gradients,
-        # two autograd passes over one forward); torch's selective-checkpoint cache serves one backward only.
-        if strategy.pipeline_schedule == "zero_bubble":
-            raise ValueError("activation_checkpointing=selective cannot run under strategy.schedule=zero_bubble "
+        # The zero-bubble schedules (zero_bubble, zbv, dualpipev) run each stage's backward twice (input
+        # gradients, then weight gradients, two autograd passes over one forward); torch's selective-checkpoint
+        # cache serves one backward only.
+        schedule = strategy.pipeline_schedule
+        if schedule in ("zero_bubble", "zbv", "dualpipev"):
+            raise ValueError(f"activation_checkpointing=selective cannot run under strategy.schedule={schedule} "
                              "(its split backward passes twice over each checkpointed region, which torch's "
                              "selective checkpointing does not support): pick activation_checkpointing=full, "
                              "every_n or attention, or another schedule")

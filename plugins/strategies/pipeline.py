@@ -165,9 +165,11 @@ class PipelineParallelConfig:
     _target_: str = "trainer.plugins.strategies.PipelineParallel"
     name: str = "pp"
     # Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs virtual_stages >= 2 to interleave) or
-    # zero_bubble (torch's ScheduleInterleavedZeroBubble; virtual_stages >= 2, no trainer.compile).
+    # zero_bubble (torch's ScheduleInterleavedZeroBubble; virtual_stages >= 2, no trainer.compile), zbv
+    # (ScheduleZBVZeroBubble) or dualpipev (ScheduleDualPipeV, M >= 2 pp): virtual_stages=2 in a V, no compile.
     schedule: str = "1f1b"
-    # Stages per rank: rank r holds stages r, r + pp, r + 2 pp, ... (1 for gpipe and 1f1b).
+    # Stages per rank: rank r holds stages r, r + pp, r + 2 pp, ... (1 for gpipe and 1f1b; for zbv and
+    # dualpipev exactly 2, r and 2 pp - 1 - r).
     virtual_stages: int = 1
     # Transformer blocks of each stage, in stage order (pp x virtual_stages entries, each >= 1, summing
     # to model.n_layers); null balances them automatically using the two weights below.

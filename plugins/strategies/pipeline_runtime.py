@@ -1,7 +1,8 @@
 """The pipeline component: this rank's stages, the schedule that drives them, and what crosses stages.
 
 Each rank of the `pp` mesh dimension holds one stage (or, for the interleaved schedules, several
-"virtual" stages r, r + P, r + 2P, ...: Narayanan et al. 2021). A stage is a copy of the model that
+"virtual" stages r, r + P, r + 2P, ...: Narayanan et al. 2021; for ZBV and DualPipeV two stages in a V,
+r and 2P - 1 - r, so that rank 0 holds the first and the last stage and computes the loss). A stage is a copy of the model that
 keeps only its own transformer blocks (`layers` keys unchanged, so checkpoints and optimizer states
 keep their names); the token embedding lives on the first stage, the final norm and the output head
 on the last (`CausalLM.first_stage_modules` / `last_stage_modules`; DeepSeek-V3's last stage also holds
@@ -36,8 +37,13 @@ from trainer.loss import cross_entropy_loss
 from trainer.models import family_of
 from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.parallel_dims import ParallelDims
-from trainer.plugins.strategies.pipeline_schedule import SCHEDULES, PipelineOptions, PrecisionStage
-from trainer.plugins.strategies.pipeline_split import split_model, stage_indices_of_rank
+from trainer.plugins.strategies.pipeline_schedule import (
+    SCHEDULES,
+    PipelineOptions,
+    PrecisionStage,
+    v_forward_only_order,
+)
+from trainer.plugins.strategies.pipeline_split import last_stage_rank, split_model, stage_indices_of_rank
 from trainer.plugins.strategies.distributed import local_grad_norm
 from trainer.plugins.strategies.pipeline_tied import TiedWeights, local_tensor
 
@@ -85,6 +91,7 @@ class Pipeline:
         self.stage_indices: list[int] = []
         self.stages: list[PrecisionStage] = []
         self._schedule: Any = None
+        self._forward_order: Any = None  # V schedules' evaluation: forwards only, with their sends/receives
         self._schedule_microbatches = 0
         self._scale_in_loss = False
         self._recorded_losses: list[torch.Tensor] = []
@@ -118,18 +125,25 @@ class Pipeline:
 
     @property
     def last_stage_pp_rank(self) -> int:
-        """pp-group rank of the stage that computes the loss (looped placement: stage s on rank s % P)."""
-        return (self.num_stages - 1) % self.pp_size
+        """pp-group rank of the stage that computes the loss (looped placement: stage s on rank s % P; in a
+        V: rank 0)."""
+        return last_stage_rank(self.pp_size, self.options.virtual_stages, self.options.v_shape)
 
     # ---- model --------------------------------------------------------------------------------------
     def split(self, model: nn.Module) -> list[nn.Module]:
         """This rank's stages of `model`, in increasing stage order (the order the schedule expects)."""
         self.family = family_of(model)
         self.stage_ranges = self.options.stage_ranges(len(self.family.blocks(model)), self.num_stages)
-        self.stage_indices = stage_indices_of_rank(self.pp_rank, self.pp_size, self.options.virtual_stages)
+        self.stage_indices = stage_indices_of_rank(self.pp_rank, self.pp_size, self.options.virtual_stages,
+                                                   self.options.v_shape)
         if self.log_layout:
             layout = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self.stage_ranges))
-            log.info(f"pipeline: {self.num_stages} stages over pp={self.pp_size} ({self.options.schedule}); {layout}")
+            placement = ""
+            if self.options.v_shape:
+                placement = "; V placement, " + ", ".join(
+                    f"rank {r}: stages {stage_indices_of_rank(r, self.pp_size, 2, True)}" for r in range(self.pp_size))
+            log.info(f"pipeline: {self.num_stages} stages over pp={self.pp_size} ({self.options.schedule}); "
+                     f"{layout}{placement}")
         parts = split_model(model, self.stage_ranges, self.stage_indices)
         self.tied.make_group(model, self.dims.mesh, self.pp_size, self.last_stage_pp_rank)
         return parts
@@ -185,6 +199,9 @@ class Pipeline:
         # scale_grads=False: the loss function already divides by the number of micro-batches
         self._schedule = schedule_class(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
                                         scale_grads=False)
+        self._forward_order = None
+        if self.options.v_shape:
+            self._forward_order = v_forward_only_order(self._schedule, self.pp_size, num_microbatches)
         return self._schedule
 
     def _run_schedule(self, model_parts: Sequence[nn.Module], microbatches: Sequence[MicroBatch],
@@ -209,6 +226,15 @@ class Pipeline:
             stage.chunk_tokens, stage.chunk_doc_ids = tokens, doc_ids
         if train:
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        elif self._forward_order is not None:
+            # torch's V schedules run their backward actions in eval too (skipped, except the local hand-over
+            # of a gradient between a rank's two stages, which then fails): evaluate with forwards only
+            training_order = schedule.pipeline_order_with_comms
+            schedule.pipeline_order_with_comms = self._forward_order
+            try:
+                schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+            finally:
+                schedule.pipeline_order_with_comms = training_order
         else:
             schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         if not self.holds_last_stage:

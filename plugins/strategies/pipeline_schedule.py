@@ -10,8 +10,18 @@ Schedules (`strategy.schedule`):
 - `zero_bubble`: torch's `ScheduleInterleavedZeroBubble` (ZB1P of Qi et al. 2024): the backward is
   split into input-gradient and weight-gradient parts, and the weight parts fill the bubbles. It uses
   the same looped stage placement as interleaved 1F1B (rank r holds stages r, r + P, ...).
-  torch's other zero-bubble schedule, `ScheduleZBVZeroBubble`, places stages in a V (rank 0 holds the
-  first and the last stage) and needs exactly 2 stages per rank; it is not exposed here.
+- `zbv`: torch's `ScheduleZBVZeroBubble` (ZB-V, Qi et al. 2024 section 6): exactly 2 stages per rank
+  (`strategy.virtual_stages=2`) placed in a V: rank r holds stages r and 2P-1-r, so rank 0 holds the
+  first and the last stage (the loss is computed there, and a head tied to the embedding is a local
+  tie) and the hand-over between a rank's two stages (P-1 -> P on the last rank) is local. Backward
+  split into input- and weight-gradient parts as zero_bubble. Any M >= P.
+- `dualpipev`: torch's `ScheduleDualPipeV` (DeepSeek-V3's DualPipe folded into a V, as DeepSeek's
+  open-source DualPipeV): the same V placement; in the steady state each rank runs "overlapped" actions,
+  the forward of one micro-batch on one of its stages beside the full backward of another micro-batch on
+  its other stage. torch runs the two sub-actions one after the other unless a function is registered for
+  them (`register_custom_function(OVERLAP_F_B, ...)`); this trainer registers none, so an expert-parallel
+  all-to-all is not hidden behind the other micro-batch's compute here (benchmarks/pipeline_bubble.py
+  measures how much of it is exposed). Needs M >= 2P (torch refuses fewer).
 
 `PipelineOptions` holds what `strategy=pp` and `strategy=3d` share (schedule, virtual stages, layer
 split), checked on creation and against the model and batch sizes before launch (`validate`);
@@ -29,20 +39,29 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from trainer.models.moe import moe_stats_paused
-from trainer.plugins.strategies.pipeline_split import stage_layer_ranges
+from trainer.plugins.strategies.pipeline_split import V_SCHEDULES, stage_layer_ranges
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 # Schedules that drive several stages per rank (torch's PipelineScheduleMulti family).
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", *V_SCHEDULES)
+# Looped placement (rank r holds r, r + P, ...), micro-batches in max(1, M // P) rounds of equal size.
+LOOPED_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+# Schedules that split each backward into input- and weight-gradient passes (no torch.compile, no
+# selective activation checkpointing: two autograd passes over one forward).
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", *V_SCHEDULES)
 
 
 @dataclass
@@ -50,7 +69,7 @@ class PipelineOptions:
     """How the layers are cut into stages and which schedule runs them (checked on creation)."""
 
     schedule: str = "1f1b"
-    # Stages per rank: rank r holds stages r, r + pp, r + 2 pp, ...
+    # Stages per rank: rank r holds stages r, r + pp, r + 2 pp, ... (zbv, dualpipev: exactly 2, r and 2 pp - 1 - r)
     virtual_stages: int = 1
     # Blocks of each stage in stage order (pp x virtual_stages entries); None: balanced by the weights.
     layers_per_stage: Optional[Sequence[int]] = None
@@ -66,6 +85,9 @@ class PipelineOptions:
         if virtual_stages > 1 and schedule not in MULTI_STAGE_SCHEDULES:
             raise ValueError(f"schedule={schedule} runs one stage per rank; virtual_stages={virtual_stages} "
                              f"needs schedule={' or '.join(MULTI_STAGE_SCHEDULES)}")
+        if schedule in V_SCHEDULES and virtual_stages != 2:
+            raise ValueError(f"schedule={schedule} places exactly 2 stages per rank in a V (rank r holds stages r "
+                             f"and 2 pp - 1 - r): set strategy.virtual_stages=2, got {virtual_stages}")
         if self.embedding_weight < 0 or self.head_weight < 0:
             raise ValueError(f"embedding_weight and head_weight must be >= 0, got {self.embedding_weight} and "
                              f"{self.head_weight}")
@@ -79,6 +101,11 @@ class PipelineOptions:
     def multi_stage(self) -> bool:
         """Whether the schedule drives several stages per rank (it is given a list of stages)."""
         return self.schedule in MULTI_STAGE_SCHEDULES
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the stages are placed in a V (rank r holds stages r and 2P - 1 - r; rank 0 the loss)."""
+        return self.schedule in V_SCHEDULES
 
     def stage_ranges(self, num_layers: int, num_stages: int) -> list[range]:
         """The layers of every stage, as given or balanced (`stage_layer_ranges`)."""
@@ -111,17 +138,43 @@ class PipelineOptions:
         if num_microbatches < pp:
             raise ValueError(f"{where}, fewer than the pp={pp} pipeline stages (each stage would idle most of "
                              "the step): raise trainer.global_batch_size or lower trainer.micro_batch_size")
-        if self.multi_stage:
+        if self.schedule in LOOPED_SCHEDULES:
             # torch's looped schedules run the micro-batches in max(1, M // pp) rounds of equal size and
             # refuse an M that does not split evenly (ScheduleInterleaved1F1B / ...ZeroBubble __init__).
             rounds = max(1, num_microbatches // pp)
             if num_microbatches % rounds:
                 raise ValueError(f"{where}, but schedule={self.schedule} runs them in max(1, M // pp) = "
                                  f"{rounds} rounds and torch needs M divisible by that: use a multiple of pp={pp}")
-        if self.schedule == "zero_bubble" and compile:
-            raise ValueError("schedule=zero_bubble splits each backward into input- and weight-gradient parts, "
-                             "which torch does not support for compiled modules: set trainer.compile=false or "
-                             "pick schedule=interleaved_1f1b")
+        if self.schedule == "dualpipev" and num_microbatches < 2 * pp:
+            # ScheduleDualPipeV.__init__: at least as many micro-batches as stages (2 per rank)
+            raise ValueError(f"{where}, but schedule=dualpipev needs at least as many as its 2 x pp = {2 * pp} "
+                             "stages: raise trainer.global_batch_size or lower trainer.micro_batch_size")
+        if self.schedule in SPLIT_BACKWARD_SCHEDULES and compile:
+            raise ValueError(f"schedule={self.schedule} splits each backward into input- and weight-gradient "
+                             "parts, which torch does not support for compiled modules: set trainer.compile=false "
+                             "or pick schedule=interleaved_1f1b")
+
+
+def v_forward_only_order(schedule: Any, pp: int, num_microbatches: int) -> dict[int, list[Any]]:
+    """The operations (with their sends and receives) of a forward-only step of a V schedule: rank r runs
+    every micro-batch's forward on stage r, then on stage 2P - 1 - r (GPipe's forward half over the V).
+
+    Lowered as torch lowers a schedule's own order (`_PipelineScheduleRuntime._prepare_schedule_with_comms`,
+    torch's pipelining IR, which torchtitan's custom schedules use too), without its check that every
+    micro-batch has a backward.
+    """
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_send_recv,
+        _add_unshard_reshard,
+        _ComputationType,
+    )
+
+    forward = _ComputationType.FORWARD
+    order = {rank: _add_unshard_reshard([_Action(stage, forward, mb) for stage in (rank, 2 * pp - 1 - rank)
+                                         for mb in range(num_microbatches)]) for rank in range(pp)}
+    return _add_send_recv(order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s],
+                          num_stages=2 * pp)
 
 
 class PrecisionStage(PipelineStage):

@@ -2,7 +2,7 @@
 
 `stage_layer_ranges` decides which transformer blocks each stage holds (balanced by cost, or as given),
 `stage_indices_of_rank` which stages a pp rank holds (the looped placement r, r + P, r + 2P, ... of the
-interleaved schedules), and `split_model` cuts a (meta or materialized) model into those stages. No
+interleaved schedules, or the V placement r, 2P - 1 - r of ZBV and DualPipeV), and `split_model` cuts a (meta or materialized) model into those stages. No
 processes are involved: the planner (`trainer.planner.memory`) and the unit tests call them directly,
 and `trainer.plugins.strategies.pipeline` re-exports them.
 """
@@ -92,9 +92,24 @@ def _balanced_counts(num_layers: int, num_stages: int, embedding_weight: float, 
     return counts
 
 
-def stage_indices_of_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
-    """Stages held by `pp_rank` under the looped placement: r, r + P, r + 2P, ..."""
-    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+# Schedules whose stages are placed in a V: rank r holds stage r (going down) and stage 2P - 1 - r (coming
+# back up), so rank 0 holds the first and the last stage (torch's generate_stage_to_rank_mapping, style="v").
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def stage_indices_of_rank(pp_rank: int, pp_size: int, virtual_stages: int, v_shape: bool = False) -> list[int]:
+    """Stages held by `pp_rank`, in increasing order: the looped placement r, r + P, r + 2P, ..., or with
+    `v_shape` (exactly 2 stages per rank) the V placement r, 2P - 1 - r."""
+    if not v_shape:
+        return [pp_rank + v * pp_size for v in range(virtual_stages)]
+    if virtual_stages != 2:
+        raise ValueError(f"the V placement holds exactly 2 stages per rank, got virtual_stages={virtual_stages}")
+    return [pp_rank, 2 * pp_size - 1 - pp_rank]
+
+
+def last_stage_rank(pp_size: int, virtual_stages: int, v_shape: bool = False) -> int:
+    """The pp rank holding the last stage (the loss): (PV - 1) mod P looped, rank 0 in a V."""
+    return 0 if v_shape else (pp_size * virtual_stages - 1) % pp_size
 
 
 def split_model(model: nn.Module, ranges: Sequence[range], stage_indices: Sequence[int]) -> list[nn.Module]:

@@ -304,7 +304,8 @@ class ThreeDConfig(FSDPOptions):
     # Data-parallel flavour: ddp, zero1, shard_grad_op, zero3, fsdp or hybrid_shard (its FSDP sharding mode:
     # shard_grad_op, full_shard for zero3 and fsdp, hybrid_shard).
     data_parallel: str = "fsdp"
-    # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble), stages per rank, layer split.
+    # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev; the last two need
+    # virtual_stages=2, placed in a V), stages per rank, layer split.
     schedule: str = "1f1b"
     virtual_stages: int = 1
     layers_per_stage: Optional[list[int]] = None

@@ -65,7 +65,9 @@ a block materializes its full activations again, one block at a time: `recompute
 
 In-flight micro-batches (first pipeline rank, M micro-batches per step, P stages, v virtual stages):
 gpipe M; 1F1B min(M, P - r) on rank r (P on the first); interleaved 1F1B and zero-bubble
-P + (P - 1)/v on the first rank (Narayanan et al. 2021; Korthikanti's factor 1 + (P-1)/(P v)). Without
+P + (P - 1)/v on the first rank (Narayanan et al. 2021; Korthikanti's factor 1 + (P-1)/(P v)); ZBV P and
+DualPipeV P + 1/2 once M >= 2P (fewer at small M), from torch's order of operations played out
+(trainer/planner/pipeline_sim.py; the papers: Qi et al. 2024 section 6, DeepSeek-V3 report table 2). Without
 pipelining gradient accumulation runs one micro-batch at a time. A pipeline stage also keeps, per
 micro-batch in flight, the input it received and the output it sent (full hidden states, s x b x h).
 """
@@ -74,9 +76,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from trainer.planner.layout import Layout
+from trainer.planner.layout import V_SCHEDULES, Layout
 from trainer.planner.memory import RankPart, rank_part
 from trainer.planner.params import ModelInventory, ParamSpec
+from trainer.planner.pipeline_sim import v_schedule_in_flight
 
 # What a saved tensor's size divides by: always by t (its heads or width are split), by t only with
 # sequence parallelism (norms, residual stream, dropout masks), or never (replicated on the tp ranks).
@@ -402,6 +405,10 @@ def in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
         return float(m)
     if layout.schedule == "1f1b":
         return float(min(m, p - pp_rank))
+    if layout.schedule in V_SCHEDULES:
+        # played out on torch's own order of operations (trainer/planner/pipeline_sim.py): ZB-V holds
+        # 1F1B's P (Qi et al. 2024, section 6), DualPipeV P + 1/2 (2P + 1 chunks, DeepSeek-V3 report table 2)
+        return v_schedule_in_flight(layout.schedule, p, m, pp_rank)
     # looped schedules: (v-1) p + 2 (p - 1 - r) warm-up forward chunks, each 1/v of the rank's layers
     chunks = (v - 1) * p + 2 * (p - 1 - pp_rank) + 1
     return min(float(m), chunks / v)
@@ -418,7 +425,7 @@ def checkpointed_layers(layout: Layout, inv: ModelInventory, pp_rank: int) -> in
 
     counts = stage_layers(inv, layout)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    stages = [pp_rank + v * layout.pp for v in range(layout.virtual_stages)] if layout.pp > 1 else [0]
+    stages = layout.stages_of_rank(pp_rank)
     n = max(1, layout.checkpoint_every_n)
     return sum(1 for st in stages for i in range(starts[st], starts[st] + counts[st]) if (i + 1) % n == 0)
 

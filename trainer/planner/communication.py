@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.planner.hardware import HardwareConfig
-from trainer.planner.layout import Layout
+from trainer.planner.layout import V_SCHEDULES, Layout
 from trainer.planner.memory import RankCoords, is_hidden_matrix, rank_hidden_numel, rank_numel, rank_part, rank_param_specs
 from trainer.planner.params import ModelInventory
 
@@ -158,6 +158,8 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
     if layout.pp > 1:
         activation = layout.local_seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
         boundaries = 2 * layout.virtual_stages - (1 if part.first else 0) - (1 if part.last else 0)
+        if layout.schedule in V_SCHEDULES and coords.pp == layout.pp - 1:
+            boundaries -= 2  # the V's turn: stages P - 1 and P on the same rank hand over locally
         sends = m * max(boundaries, 0)
         out.append(Collective("pp", P2P, sends, 2, sends * activation, spans_nodes(layout, "pp", gpn)))
     return [c.timed(hardware) for c in out]

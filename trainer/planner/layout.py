@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 # Data-parallel flavours and what each shards at rest (params, grads, optimizer states).
 DP_FLAVOURS = ("none", "ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hybrid_shard")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# Schedules that place 2 stages per rank in a V (rank r holds stages r and 2P - 1 - r).
+V_SCHEDULES = ("zbv", "dualpipev")
 CHECKPOINTING = ("none", "attention", "selective", "every_n", "full", "offload")
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
@@ -108,6 +110,15 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        """The pipeline stages `pp_rank` holds: r, r + P, ... (looped), r and 2P - 1 - r (zbv, dualpipev), or
+        the one stage without pipelining."""
+        if self.pp == 1:
+            return [0]
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + v * self.pp for v in range(self.virtual_stages)]
 
     @property
     def num_microbatches(self) -> int:

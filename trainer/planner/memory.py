@@ -175,14 +175,13 @@ class RankPart:
 
 def rank_part(inv: ModelInventory, layout: Layout, pp_rank: int) -> RankPart:
     return _rank_part(inv.n_layers, layout.pp, layout.virtual_stages, layout.layers_per_stage,
-                      layout.embedding_weight, layout.head_weight, pp_rank)
+                      layout.embedding_weight, layout.head_weight, pp_rank, tuple(layout.stages_of_rank(pp_rank)))
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_part(n_layers: int, pp: int, virtual: int, per_stage: tuple[int, ...] | None, embedding_weight: float,
-               head_weight: float, pp_rank: int) -> RankPart:
+               head_weight: float, pp_rank: int, stages: tuple[int, ...]) -> RankPart:
     counts = _stage_layers(n_layers, pp * virtual, per_stage, embedding_weight, head_weight)
-    stages = [pp_rank + v * pp for v in range(virtual)] if pp > 1 else [0]
     held = tuple(counts[s] for s in stages)
     return RankPart(layers=sum(held), first=0 in stages, last=(len(counts) - 1) in stages, stage_layers=held)
 
@@ -195,7 +194,7 @@ def block_param_specs(inv: ModelInventory, layout: Layout, pp_rank: int) -> list
         return [(p, part.layers) for p in inv.layer]
     counts = stage_layers(inv, layout)
     starts = [sum(counts[:s]) for s in range(len(counts))]
-    stages = [pp_rank + v * layout.pp for v in range(layout.virtual_stages)] if layout.pp > 1 else [0]
+    stages = layout.stages_of_rank(pp_rank)
     specs: list[tuple[ParamSpec, int]] = []
     first = 0
     for count, group in inv.layer_groups:

@@ -18,7 +18,10 @@ it a causal fused kernel skips (`causal_block_skipping`). `mode=plan plan.calibr
 efficiencies at the configuration's own sizes (`matmul_shapes`, `attention_shape`) instead of assuming them:
 - bubble: (P - 1) / (M + P - 1) for gpipe and 1F1B, (P - 1) / (v M + P - 1) for interleaved 1F1B; the
   zero-bubble schedule is counted at a third of interleaved 1F1B's bubble (Qi et al. 2024's ZB-H1 figure;
-  an estimate: its real bubble depends on the backward split);
+  an estimate: its real bubble depends on the backward split); zbv and dualpipev (two stages per rank in a
+  V) by playing torch's own order of operations out at equal forward, input- and weight-gradient times
+  (trainer/planner/pipeline_sim.py; the steady-state closed forms it reproduces at large M are Qi et al.
+  2024 section 6 for ZB-V and the DeepSeek-V3 report's table 2 for DualPipe(V));
 - tensor-parallel, pipeline and context-parallel traffic is on the critical path (counted in full: an
   upper bound for the ring, which sends the next K/V block while it computes on the current one); DDP's all-reduce hides
   behind the last micro-batch's backward, FSDP's per micro-batch traffic behind that micro-batch's
@@ -31,9 +34,10 @@ from dataclasses import dataclass
 
 from trainer.planner.communication import Collective
 from trainer.planner.hardware import HardwareConfig
-from trainer.planner.layout import Layout
+from trainer.planner.layout import V_SCHEDULES, Layout
 from trainer.planner.memory import RankCoords, rank_numel
 from trainer.planner.params import ModelInventory
+from trainer.planner.pipeline_sim import v_schedule_bubble
 
 
 def causal_block_skipping(inv: ModelInventory, layout: Layout, device_type: str) -> bool:
@@ -108,6 +112,11 @@ def bubble_fraction(layout: Layout) -> float:
         return 0.0
     if layout.schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
+    if layout.schedule in V_SCHEDULES:
+        # ZB-V (Qi et al. 2024, section 6) and DualPipeV (DeepSeek-V3 report, table 2): their steady-state
+        # closed forms vanish at equal forward/input/weight times; the warm-up and cool-down at a few
+        # micro-batches do not, so the planner plays torch's order of operations out (pipeline_sim.py)
+        return v_schedule_bubble(layout.schedule, p, m)
     bubble = (p - 1) / v
     if layout.schedule == "zero_bubble":
         bubble /= 3
