@@ -67,22 +67,32 @@ from trainer.plugins.activation_checkpointing import NoCheckpointing  # noqa: E4
 from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
+from trainer.planner.pipeline_sim import v_schedule_bubble  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+V_SCHEDULES = ("zbv", "dualpipev")
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 # Stages per rank of each schedule here.
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2, "dualpipev": 2}
 RESULT_PREFIX = "PIPELINE_BUBBLE_RESULT "
 
 
 def theoretical_idle_over_busy(schedule: str, pp: int, microbatches: int) -> float:
     """The bubble over the busy time: (P - 1) / M for GPipe and 1F1B, / (V M) interleaved, / (3 V M) for
-    zero bubble (ZB-H1 with equal forward, input- and weight-backward times)."""
+    zero bubble (ZB-H1 with equal forward, input- and weight-backward times); x / (1 - x) of the planner's
+    fraction x for zbv and dualpipev."""
+    if schedule in V_SCHEDULES:
+        bubble = v_schedule_bubble(schedule, pp, microbatches)
+        return bubble / (1 - bubble)
     virtual = VIRTUAL[schedule]
     return (pp - 1) / (microbatches * virtual * (3 if schedule == "zero_bubble" else 1))
 
 
 def theoretical_bubble(schedule: str, pp: int, microbatches: int) -> float:
-    """The same bubble as a fraction of the step: x / (1 + x) for x = idle / busy."""
+    """The same bubble as a fraction of the step: x / (1 + x) for x = idle / busy; for zbv and dualpipev the
+    planner's figure (torch's order of operations played out, trainer/planner/pipeline_sim.py)."""
+    if schedule in V_SCHEDULES:
+        return v_schedule_bubble(schedule, pp, microbatches)
     ratio = theoretical_idle_over_busy(schedule, pp, microbatches)
     return ratio / (1 + ratio)
 
@@ -150,7 +160,7 @@ def worker(args: argparse.Namespace) -> None:
                          n_heads=max(1, args.dim // 32), ffn_hidden_dim=4 * args.dim, max_seq_len=args.seq_len)
     results = []
     clock = BusyClock()
-    for schedule in SCHEDULES:
+    for schedule in args.schedules:
         strategy = PipelineParallel(schedule=schedule, virtual_stages=VIRTUAL[schedule], embedding_weight=0.0,
                                     head_weight=0.0, init="full")
         strategy.setup_environment("cpu", 1, pp=pp)
@@ -191,6 +201,89 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+# MoE under 3d: 4 layers over pp=2 (2 stages per rank in the V schedules), 4 experts over ep=2 of the dp=2
+# ranks; micro-batch 2 of 16 sequences: 4 pipeline micro-batches per dp rank (DualPipeV's minimum 2 pp).
+MOE_RUN = ["model=tiny_moe", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+           "model.n_experts=4", "model.moe_hidden_dim=128", "trainer.seq_len=64", "trainer.global_batch_size=16",
+           "trainer.micro_batch_size=2", "trainer.log_every=1", "trainer.val_every=0", "callbacks=none",
+           "lr_schedule.warmup_steps=1", "data.max_bytes=1000000", "trainer.peak_flops=1e12",
+           "strategy=3d", "pp=2", "ep=2", "trainer.devices=4", "strategy.data_parallel=fsdp"]
+MOE_SCHEDULES = {"1f1b": ["strategy.schedule=1f1b"],
+                 "dualpipev": ["strategy.schedule=dualpipev", "strategy.virtual_stages=2"]}
+
+
+def moe_worker(args: argparse.Namespace) -> None:
+    """Per schedule: the trainer's own step over `args.steps + args.warmup` steps, with the seconds this rank
+    spends inside the expert-parallel all-to-alls of the forward (the token counts, dispatch and combine:
+    `trainer.models.moe`) summed per step. Those calls block until the peers' rows arrive (`wait_tensor`),
+    so the time in them is exposed, not hidden, unless another micro-batch computes meanwhile, which is what
+    an overlapping DualPipeV would do. The backward's all-to-alls run inside autograd and are not timed."""
+    import tempfile
+
+    import trainer.models.moe as moe
+    from trainer.config import compose
+    from trainer.run import build_trainer
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    clock = BusyClock()
+    moe._all_to_all = clock.wrap(moe._all_to_all)  # type: ignore[method-assign]
+    counts_exchange = dist.all_to_all_single
+    moe.dist.all_to_all_single = clock.wrap(counts_exchange)  # type: ignore[attr-defined]
+    rows = []
+    for schedule, overrides in MOE_SCHEDULES.items():
+        steps = args.warmup + args.steps
+        with tempfile.TemporaryDirectory() as out:
+            trainer = build_trainer(compose(MOE_RUN + overrides + [f"trainer.max_steps={steps}"]), Path(out))
+            per_step, step_times = [], []
+            original = trainer.training_step
+
+            def timed_step(*a: Any, **k: Any) -> Any:
+                dist.barrier()
+                clock.seconds = 0.0
+                start = time.perf_counter()
+                result = original(*a, **k)
+                step_times.append(time.perf_counter() - start)
+                per_step.append(clock.seconds)
+                return result
+
+            trainer.training_step = timed_step  # type: ignore[method-assign]
+            trainer.fit()
+        mine = {"a2a_s": statistics.median(per_step[args.warmup:]),
+                "step_s": statistics.median(step_times[args.warmup:])}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        rows.append({"schedule": schedule, "exposed_a2a_s_per_rank": [g["a2a_s"] for g in gathered],
+                     "step_s": max(g["step_s"] for g in gathered),
+                     "exposed_a2a_s_mean": statistics.mean(g["a2a_s"] for g in gathered)})
+        if dist.get_rank() == 0:
+            row = rows[-1]
+            print(f"MOE {schedule:10s}: step {row['step_s'] * 1e3:8.1f} ms, forward all-to-all exposed per step "
+                  f"{row['exposed_a2a_s_mean'] * 1e3:7.1f} ms (mean of ranks; "
+                  f"{100 * row['exposed_a2a_s_mean'] / row['step_s']:.1f}% of the step)", flush=True)
+    moe.dist.all_to_all_single = counts_exchange  # type: ignore[attr-defined]
+    if dist.get_rank() == 0:
+        print(RESULT_PREFIX + json.dumps(rows), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_moe(argv: list[str]) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+               str(Path(__file__).resolve()), "--worker", *argv]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    rows = []
+    for line in result.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            rows = json.loads(line[len(RESULT_PREFIX):])
+        elif line.startswith("MOE "):
+            print(line, flush=True)
+    if result.returncode != 0:
+        sys.exit(f"the MoE run failed:\n{result.stderr[-4000:]}")
+    print(json.dumps({"moe": rows, "settings": {"overrides": MOE_RUN, "steps": len(argv), "cpu_count": os.cpu_count(),
+                                                 "torch": torch.__version__}}))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (one process per stage)")
@@ -201,6 +294,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="transformer blocks, split evenly over the stages")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
+                        help="schedules to measure")
+    parser.add_argument("--moe", action="store_true",
+                        help="instead: exposed expert all-to-all time per step of a MoE under 3d pp=2 x ep=2 "
+                             "(4 processes), 1f1b vs dualpipev")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -211,7 +309,10 @@ def main() -> None:
     if args.warmup < 1 or args.steps < 1:
         sys.exit("--warmup and --steps must be >= 1 (the first step of each point installs the timers)")
     if args.worker:
-        worker(args)
+        moe_worker(args) if args.moe else worker(args)
+        return
+    if args.moe:
+        run_moe(argv)
         return
     for pp in args.pp:
         if args.layers % (2 * pp):

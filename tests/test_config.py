@@ -207,6 +207,12 @@ INVALID = [
      "strategy: layers_per_stage=[1, 2] sums to 3, but the model has 4 layers"),
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=zero_bubble", "strategy.virtual_stages=2",
       "trainer.compile=true"], "strategy: schedule=zero_bubble splits each backward"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=zbv"],
+     "strategy: schedule=zbv places exactly 2 stages per rank in a V (rank r holds stages r and 2 pp - 1 - r): "
+     "set strategy.virtual_stages=2, got 1"),
+    (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipev", "strategy.virtual_stages=2"],
+     "strategy: micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = 2, but "
+     "schedule=dualpipev needs at least as many as its 2 x pp = 4 stages"),
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipe"],
      "strategy: schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
     (["model=llama2_7b", "strategy=3d", "tp=3", "pp=2", "trainer.devices=12", "trainer.micro_batch_size=2"],

@@ -197,6 +197,8 @@ STEPS = 8
 LOOP = ["trainer.seq_len=32", "trainer.global_batch_size=16", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
         "trainer.val_every=4", "trainer.val_batches=1", "lr_schedule.warmup_steps=2", "data.max_bytes=1000000",
         "callbacks=none"]
+ZBV = ["strategy.schedule=zbv", "strategy.virtual_stages=2"]
+DUALPIPEV = ["strategy.schedule=dualpipev", "strategy.virtual_stages=2"]
 # name: (overrides, processes, micro-batch). The aux loss is a per-micro-batch statistic, so each run is
 # compared with the single process of the same micro-batch size (the same global batch).
 PARITY = {
@@ -216,6 +218,15 @@ PARITY = {
     "pp2_x_ep2_3d_fsdp": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp"], 4, 4),
     # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
     "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
+    # the V schedules (two stages per rank, rank 0 holds the first and the last): ZBV and DualPipeV at pp=2
+    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp), and under 3d each in the layout the
+    # dense runs of tests/test_pipeline.py do not give it: ZBV at pp=2 x dp=2 with the experts over ep=2
+    # (2 micro-batches per dp rank), DualPipeV at tp=2 x pp=2
+    "pp2_zbv": (["strategy=pp", "pp=2", *ZBV], 2, 4),
+    "pp2_dualpipev": (["strategy=pp", "pp=2", *DUALPIPEV], 2, 4),
+    "pp2_x_ep2_3d_fsdp_zbv": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp", *ZBV], 4, 4),
+    "tp2_x_pp2_3d_zero1_dualpipev": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *DUALPIPEV],
+                                     4, 4),
 }
 # Exact resume: 12 steps straight (saving at 6) vs a run resumed from step 6, both ep=2.
 RESUME_AT, RESUME_END = 6, 12

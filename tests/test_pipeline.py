@@ -2,9 +2,10 @@
 
 Parity (fp32, same global batch and seed, 10 steps, every step logged): per-step losses, logged global
 gradient norms and validation losses within rtol 1e-4, final full weights (gathered from the stages)
-within atol 1e-4, for pp=2 with every schedule, pp=4 with 1f1b and interleaved 1F1B, and a GPT whose
-output head is tied to its embedding across the first and last stage. Each world size is one torchrun
-launch (tests/distributed_harness.py); the references run in this process.
+within atol 1e-4, for pp=2 with every schedule (DualPipeV on the GPT), pp=4 with 1f1b and interleaved 1F1B,
+ZBV and DualPipeV under 3d (tp=2 x pp=2, pp=2 x dp=2), and a GPT whose output head is tied to its embedding
+across the first and last stage (on two ranks, and on one: rank 0 in DualPipeV's V). Each world size is one
+torchrun launch (tests/distributed_harness.py); the references run in this process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from omegaconf import OmegaConf
 
 from tests.launch_pool import POOL
 from trainer.plugins.strategies.pipeline import PipelineParallel, split_model, stage_indices_of_rank, stage_layer_ranges
+from trainer.plugins.strategies.pipeline_schedule import v_forward_only_order
+from trainer.plugins.strategies.pipeline_split import last_stage_rank
+from trainer.plugins.strategies.pipeline_tied import TiedWeights
 from trainer.config import compose
 from trainer.models import build_meta_model
 from trainer.run import build_trainer
@@ -42,10 +46,23 @@ SCHEDULES = {
     "1f1b": ["strategy.schedule=1f1b"],
     "interleaved_1f1b": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
     "zero_bubble": ["strategy.schedule=zero_bubble", "strategy.virtual_stages=2"],
+    "zbv": ["strategy.schedule=zbv", "strategy.virtual_stages=2"],
+    "dualpipev": ["strategy.schedule=dualpipev", "strategy.virtual_stages=2"],
+}
+# The V schedules under 3d at 4 processes, each schedule under one of the two layouts (the MoE runs of
+# tests/test_moe.py take the other): pp=2 x dp=2 (micro-batch 1: 4 pipeline micro-batches per dp rank,
+# DualPipeV's minimum 2 pp) and tp=2 x pp=2.
+THREE_D = {
+    "dualpipev_pp2_dp2_fsdp": ["strategy=3d", "pp=2", "tp=1", "strategy.data_parallel=fsdp",
+                               "trainer.micro_batch_size=1"],
+    "zbv_tp2_pp2": ["strategy=3d", "pp=2", "tp=2", "strategy.data_parallel=ddp"],
 }
 RUNS = {  # world size: {run name: (model, schedule)}
-    2: {name: ("llama", name) for name in SCHEDULES} | {"gpt_tied": ("gpt", "1f1b")},
-    4: {"1f1b": ("llama", "1f1b"), "interleaved_1f1b": ("llama", "interleaved_1f1b")},
+    2: {name: ("llama", name) for name in SCHEDULES if name != "dualpipev"}
+    # DualPipeV on the GPT: its head tied to the embedding, both on rank 0 in the V (a local tie)
+    | {"gpt_tied": ("gpt", "1f1b"), "dualpipev_gpt_tied": ("gpt", "dualpipev")},
+    4: {"1f1b": ("llama", "1f1b"), "interleaved_1f1b": ("llama", "interleaved_1f1b"),
+        "dualpipev_pp2_dp2_fsdp": ("llama", "dualpipev"), "zbv_tp2_pp2": ("llama", "zbv")},
 }
 MODELS = {"llama": LLAMA, "gpt": GPT}
 PARITY = [(nproc, name) for nproc, named in RUNS.items() for name in named]
@@ -149,14 +166,86 @@ def test_stages_initialize_alone_and_chain_to_the_full_forward(family: str) -> N
     torch.testing.assert_close(hidden, model(tokens), rtol=0, atol=0)
 
 
+# ---- the V placement (zbv, dualpipev) -----------------------------------------------------------------
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_v_placement_is_torchs_and_puts_both_ends_on_rank_0(pp: int) -> None:
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    torchs = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+    held = {rank: stage_indices_of_rank(rank, pp, 2, v_shape=True) for rank in range(pp)}
+    assert {stage: rank for rank, stages in held.items() for stage in stages} == torchs
+    assert held[0] == [0, 2 * pp - 1] and last_stage_rank(pp, 2, v_shape=True) == 0
+    assert last_stage_rank(pp, 2) == pp - 1  # looped: stage 2P - 1 on rank P - 1
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        stage_indices_of_rank(0, pp, 3, v_shape=True)
+
+
+def test_v_split_gives_rank_0_the_embedding_and_the_tied_head_as_two_copies() -> None:
+    model = meta_model("gpt", 4)
+    ranges = stage_layer_ranges(4, 4)
+    first, last = split_model(model, ranges, stage_indices_of_rank(0, 2, 2, v_shape=True))
+    assert (first.pp_stage_index, last.pp_stage_index) == (0, 3)
+    assert first.tok_embeddings is not None and first.output is None
+    assert last.tok_embeddings is None and last.output is not None
+    # the checkpoint's names are the unsplit model's, whichever rank holds the stage
+    assert set(first.state_dict()) | set(last.state_dict()) <= set(model.state_dict())
+
+
+def test_local_tie_sums_the_two_copies_gradients_and_counts_the_mirror_once() -> None:
+    torch.manual_seed(0)
+    model = meta_model("gpt", 4)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    parts = split_model(model, stage_layer_ranges(4, 4), [0, 3])
+    with torch.no_grad():
+        parts[1].output.weight.add_(1.0)  # a sharded init draws the two copies apart
+    tied = TiedWeights()
+    tied.make_group(model, None, pp_size=2, last_stage_pp_rank=0)  # type: ignore[arg-type]  # no group: local
+    assert tied.local and tied.group is None
+    tied.find(parts, lambda m: m, num_stages=4)
+    embedding, head = parts[0].tok_embeddings.weight, parts[1].output.weight
+    assert tied.params == [embedding] and tied.mirrors == [head]
+    tied.broadcast_from_first_stage()
+    assert torch.equal(head, embedding)
+    embedding.grad, head.grad = torch.full_like(embedding, 2.0), torch.full_like(head, 3.0)
+    tied.sum_grads()
+    assert torch.equal(embedding.grad, torch.full_like(embedding, 5.0)) and torch.equal(head.grad, embedding.grad)
+    assert tied.is_mirror(head) and not tied.is_mirror(embedding)
+    owners = tied.optimizer_modules(parts)[2:]
+    assert [type(o) for o in owners] == [torch.nn.Embedding] and owners[0].weight is head
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_forward_only_order_over_the_v_runs_every_forward_once_with_local_turn(pp: int) -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    schedule = SimpleNamespace(stage_index_to_group_rank=generate_stage_to_rank_mapping(pp, 2 * pp, style="v"))
+    order = v_forward_only_order(schedule, pp, 4)
+    forwards = {(a.stage_index, a.microbatch_index): rank for rank, actions in order.items() for a in actions
+                if a.computation_type.value == "F"}
+    assert forwards == {(s, mb): schedule.stage_index_to_group_rank[s] for s in range(2 * pp) for mb in range(4)}
+    kinds = [a.computation_type.value for actions in order.values() for a in actions]
+    assert not {"I", "W", "B"} & set(kinds)
+    # every stage boundary is a send and a receive per micro-batch, but the V's turn (P-1 -> P, one rank)
+    assert kinds.count("SEND_F") == kinds.count("RECV_F") == (2 * pp - 2) * 4
+
+
 # ---- validation -------------------------------------------------------------------------------------
 def test_strategy_options_are_checked_on_creation() -> None:
-    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"):
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, "
+                                         "dualpipev"):
         PipelineParallel(schedule="dualpipe")
     with pytest.raises(ValueError, match="schedule=1f1b runs one stage per rank"):
         PipelineParallel(schedule="1f1b", virtual_stages=2)
     with pytest.raises(ValueError, match="every stage needs at least one layer"):
         PipelineParallel(layers_per_stage=[4, 0])
+    for schedule in ("zbv", "dualpipev"):
+        for virtual in (1, 3):
+            with pytest.raises(ValueError, match=f"schedule={schedule} places exactly 2 stages per rank in a V"):
+                PipelineParallel(schedule=schedule, virtual_stages=virtual)
 
 
 def test_pipeline_constraints() -> None:
@@ -172,6 +261,16 @@ def test_pipeline_constraints() -> None:
     with pytest.raises(ValueError, match="trainer.compile=false"):
         PipelineParallel(schedule="zero_bubble", virtual_stages=2).validate_pipeline(
             num_layers=8, pp=2, num_microbatches=4, compile=True)
+    zbv = PipelineParallel(schedule="zbv", virtual_stages=2)
+    zbv.validate_pipeline(num_layers=8, pp=2, num_microbatches=3)  # no rounds: any M >= pp
+    with pytest.raises(ValueError, match="schedule=zbv splits each backward"):
+        zbv.validate_pipeline(num_layers=8, pp=2, num_microbatches=4, compile=True)
+    with pytest.raises(ValueError, match="4 x 2 = 8 stages need at least 8 layers, the model has 6"):
+        zbv.validate_pipeline(num_layers=6, pp=4, num_microbatches=8)
+    dualpipev = PipelineParallel(schedule="dualpipev", virtual_stages=2)
+    dualpipev.validate_pipeline(num_layers=8, pp=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="= 3, but schedule=dualpipev needs at least as many as its 2 x pp = 4"):
+        dualpipev.validate_pipeline(num_layers=8, pp=2, num_microbatches=3)
 
 
 # ---- parity with one process ----------------------------------------------------------------------------
@@ -183,7 +282,7 @@ def column(run_dir: Path, name: str) -> list[float]:
 for _nproc, _named in RUNS.items():
     POOL.add("pipeline", _nproc, [
         {"name": name, "overrides": MODELS[model] + LOOP + SCHEDULES[schedule]
-         + ["strategy=pp", f"pp={_nproc}", f"trainer.devices={_nproc}"]}
+         + THREE_D.get(name, ["strategy=pp", f"pp={_nproc}"]) + [f"trainer.devices={_nproc}"]}
         for name, (model, schedule) in _named.items()
     ])
 
@@ -216,9 +315,11 @@ def test_pipeline_matches_single_process(runs: Path, nproc: int, name: str) -> N
 
 
 @pytest.mark.slow
-def test_tied_head_and_embedding_stay_one_weight(runs: Path) -> None:
-    weights = torch.load(runs / "np2" / "gpt_tied" / "weights.pt", weights_only=True)
-    # held by stage 0 and stage 1 as two copies, kept bitwise equal by the gradient all-reduce
+@pytest.mark.parametrize("name", ["gpt_tied", "dualpipev_gpt_tied"])
+def test_tied_head_and_embedding_stay_one_weight(runs: Path, name: str) -> None:
+    weights = torch.load(runs / "np2" / name / "weights.pt", weights_only=True)
+    # held by the first and the last stage as two copies (on two ranks, kept bitwise equal by the gradient
+    # all-reduce; in DualPipeV's V both on rank 0, by the local sum)
     assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
 
 

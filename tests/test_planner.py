@@ -40,6 +40,7 @@ from trainer.planner.memory import (
     model_state_bytes,
     rank_state_bytes,
 )
+from trainer.planner.memory import rank_part
 from trainer.planner.params import inventory
 from trainer.planner.timing import bubble_fraction, estimate_time
 
@@ -120,6 +121,34 @@ def test_pipeline_schedules_in_flight_and_bubble() -> None:
     assert [in_flight_microbatches(base, r) for r in range(4)] == [4, 3, 2, 1]
     assert bubble_fraction(base) == pytest.approx(3 / 11)  # (p - 1) / (m + p - 1)
     assert bubble_fraction(base.replace(schedule="interleaved_1f1b", virtual_stages=2)) == pytest.approx(1.5 / 9.5)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_v_schedules_memory_and_bubble_from_torchs_order(pp: int) -> None:
+    """ZBV and DualPipeV played out on torch's own order of operations (trainer/planner/pipeline_sim.py) at
+    equal forward, input- and weight-gradient times: once the pipeline is full (M >= 2P) ZB-V holds 1F1B's
+    P micro-batches on every rank (Qi et al. 2024, section 6) and DualPipeV 2P + 1 chunks = P + 1/2
+    micro-batches (DeepSeek-V3 report, table 2); both have no steady-state bubble (the papers' closed forms
+    vanish at equal times), so the idle time is the warm-up's and the cool-down's whatever M."""
+    base = Layout(world_size=pp, dp_replicate=1, dp_shard=1, tp=1, pp=pp, strategy="pp", dp_flavour="none",
+                  micro_batch_size=1, global_batch_size=8 * pp, virtual_stages=2)
+    zbv, dualpipev = base.replace(schedule="zbv"), base.replace(schedule="dualpipev")
+    assert [in_flight_microbatches(zbv, r) for r in range(pp)] == [pp] * pp
+    assert [in_flight_microbatches(dualpipev, r) for r in range(pp)] == [pp + 0.5] * pp
+    for layout in (zbv, dualpipev):
+        idle_units = []  # per rank, in units of one chunk's forward (a micro-batch is 6 per rank)
+        for m in (2 * pp, 4 * pp, 8 * pp):
+            bubble = bubble_fraction(layout.replace(global_batch_size=m))
+            idle_units.append(6 * m * bubble / (1 - bubble))
+        assert idle_units == pytest.approx([idle_units[0]] * 3), layout.schedule
+        assert bubble_fraction(layout) < bubble_fraction(base.replace(schedule="1f1b", virtual_stages=1))
+    # the V placement: rank 0 holds the first and the last stage, rank r stages r and 2P - 1 - r
+    inv = inventory(model_config(compose(["model=tiny", f"model.n_layers={4 * pp}"])))
+    assert zbv.stages_of_rank(0) == [0, 2 * pp - 1]
+    parts = [rank_part(inv, zbv, r) for r in range(pp)]
+    assert (parts[0].first, parts[0].last) == (True, True)
+    assert not any(p.first or p.last for p in parts[1:])
+    assert sum(p.layers for p in parts) == 4 * pp
 
 
 def test_narayanan_model_flops() -> None:
