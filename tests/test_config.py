@@ -213,6 +213,10 @@ INVALID = [
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipev", "strategy.virtual_stages=2"],
      "strategy: micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = 2, but "
      "schedule=dualpipev needs at least as many as its 2 x pp = 4 stages"),
+    (["strategy=3d", "pp=2", "trainer.devices=4", "strategy.schedule=zbv", "strategy.virtual_stages=2",
+      "trainer.micro_batch_size=4"],
+     "strategy: schedule=zbv splits each backward into input- and weight-gradient passes, and torch's weight pass "
+     "does not reach the parameters of a stage that data_parallel=fsdp wraps (dp x cp = 2)"),
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipe"],
      "strategy: schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
     (["model=llama2_7b", "strategy=3d", "tp=3", "pp=2", "trainer.devices=12", "trainer.micro_batch_size=2"],

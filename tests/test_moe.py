@@ -219,12 +219,11 @@ PARITY = {
     # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
     "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
     # the V schedules (two stages per rank, rank 0 holds the first and the last): ZBV and DualPipeV at pp=2
-    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp), and under 3d each in the layout the
-    # dense runs of tests/test_pipeline.py do not give it: ZBV at pp=2 x dp=2 with the experts over ep=2
-    # (2 micro-batches per dp rank), DualPipeV at tp=2 x pp=2
+    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp) and at tp=2 x pp=2 (with dp x cp > 1,
+    # and so with ep, which borrows data-parallel ranks, config validation refuses them)
     "pp2_zbv": (["strategy=pp", "pp=2", *ZBV], 2, 4),
     "pp2_dualpipev": (["strategy=pp", "pp=2", *DUALPIPEV], 2, 4),
-    "pp2_x_ep2_3d_fsdp_zbv": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp", *ZBV], 4, 4),
+    "tp2_x_pp2_3d_zero1_zbv": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *ZBV], 4, 4),
     "tp2_x_pp2_3d_zero1_dualpipev": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *DUALPIPEV],
                                      4, 4),
 }

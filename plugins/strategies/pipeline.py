@@ -71,7 +71,8 @@ class PipelineParallel(DistributedStrategy):
     def planner_layout(self, dp: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
         return {**super().planner_layout(dp, tp, pp, cp), **self.pipeline_options.planner_fields(pp)}
 
-    def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
+    def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False,
+                          data_parallel: int = 1) -> None:
         """Raise ValueError (one line) when the pipeline cannot be built or torch's schedule would refuse."""
         if pp < 2:
             raise ValueError(f"strategy={self.name} needs pp >= 2 pipeline stages, got pp={pp}: set pp=2 "

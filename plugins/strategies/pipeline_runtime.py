@@ -39,6 +39,7 @@ from trainer.models.moe import aux_loss_grad_scale_set
 from trainer.parallel_dims import ParallelDims
 from trainer.plugins.strategies.pipeline_schedule import (
     SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
     PipelineOptions,
     PrecisionStage,
     v_forward_only_order,
@@ -190,7 +191,8 @@ class Pipeline:
                                f"got {len(model_parts)}")
         self.stages = [
             PrecisionStage(part, index, self.num_stages, self.device, group=self.pp_group,
-                           autocast=self.precision.autocast, family=self.family)
+                           autocast=self.precision.autocast, family=self.family,
+                           split_backward=self.options.schedule in SPLIT_BACKWARD_SCHEDULES)
             for part, index in zip(model_parts, self.stage_indices)
         ]
         schedule_class = SCHEDULES[self.options.schedule]

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
+import torch
 import torch.nn as nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -193,9 +194,13 @@ class PrecisionStage(PipelineStage):
     """
 
     def __init__(self, *args: Any, autocast: Callable[[], ContextManager[Any]], family: Any = None,
-                 **kwargs: Any) -> None:
+                 split_backward: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._autocast = autocast
+        # Under a schedule that splits the backward (zero_bubble, zbv, dualpipev) torch detaches the stage's
+        # outputs in place after the input-gradient pass, which autograd refuses for a view: a tensor-parallel
+        # stage's output is one (DTensor.to_local), so such outputs are copied (`_own_outputs`).
+        self._split_backward = split_backward
         self._family = family  # the model's family (`ModelFamily`): the carry hooks; None carries nothing
         # The token ids and (under document masking) the document ids of each micro-batch of the step, set
         # by the pipeline: a stage receives only hidden states, so they reach its model as `pipeline_tokens`
@@ -233,7 +238,16 @@ class PrecisionStage(PipelineStage):
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         parent = super(PrecisionStage, self)
         with self._autocast():
-            return self._carrying(lambda *inputs: parent.forward_maybe_with_nosync(*inputs, **kwargs), args)
+            output = self._carrying(lambda *inputs: parent.forward_maybe_with_nosync(*inputs, **kwargs), args)
+        return self._own_outputs(output) if self._split_backward and not self.is_last else output
+
+    @staticmethod
+    def _own_outputs(output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return output.clone() if output._is_view() else output
+        if isinstance(output, tuple):
+            return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in output)
+        return output
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
         # the forward of torch's metadata inference (first step, and after each eval/train switch): not a

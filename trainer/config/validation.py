@@ -172,7 +172,8 @@ def _validate_strategy(cfg: DictConfig, strategy: "Strategy", device_type: str) 
         # pipeline parallelism: stages vs layers and micro-batches (a no-op without pipeline stages)
         strategy.validate_pipeline(num_layers=int(cfg.model.n_layers), pp=int(cfg.pp),
                                    num_microbatches=gradient_accumulation_steps(cfg),
-                                   compile=bool(cfg.trainer.compile))
+                                   compile=bool(cfg.trainer.compile),
+                                   data_parallel=data_parallel_size(cfg) * int(cfg.cp))
     except (ValueError, InstantiationException) as error:
         raise _plugin_error("strategy", error) from None
 

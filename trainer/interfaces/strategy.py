@@ -123,9 +123,11 @@ class Strategy:
         """Raise ValueError when the model cannot be split over `tp` ranks (strategies without tensor
         parallelism accept any model)."""
 
-    def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False) -> None:
+    def validate_pipeline(self, *, num_layers: int, pp: int, num_microbatches: int, compile: bool = False,
+                          data_parallel: int = 1) -> None:
         """Raise ValueError when the layers, stages and micro-batches do not fit the pipeline schedule
-        (strategies without pipeline parallelism accept anything)."""
+        (strategies without pipeline parallelism accept anything). `data_parallel`: dp x cp, the ranks each
+        stage part is replicated or sharded over."""
 
     def check_reduce_dtype(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Raise ValueError (the reason and the fix, one line) when this strategy cannot reduce gradients
