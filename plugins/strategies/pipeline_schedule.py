@@ -23,6 +23,13 @@ Schedules (`strategy.schedule`):
   all-to-all is not hidden behind the other micro-batch's compute here (benchmarks/pipeline_bubble.py
   measures how much of it is exposed). Needs M >= 2P (torch refuses fewer).
 
+Both V schedules: evaluation runs a forward-only order over the V (`v_forward_only_order`; torch's `eval()`
+of these schedules fails at the local gradient hand-over between a rank's two stages); `strategy=3d`
+refuses them with data parallelism (dp x cp > 1, so with ep too), since torch 2.13's weight-gradient pass
+(`stage_backward_weight`) differentiates with respect to the registered parameters, which FSDP2 and
+`replicate` replace by sharded DTensors (measured: partial gradients). `activation_checkpointing=selective`
+is refused under them as under zero_bubble.
+
 `PipelineOptions` holds what `strategy=pp` and `strategy=3d` share (schedule, virtual stages, layer
 split), checked on creation and against the model and batch sizes before launch (`validate`);
 `PrecisionStage` is the stage torch drives, with the precision plugin's autocast around its forwards.
