@@ -336,7 +336,7 @@ def test_killed_rank_recovers_from_the_in_memory_replica_and_falls_back_to_disk_
     # rank 0 reached step 10 (rank 1 was killed at its end) or, if killed first, step 9
     assert timeline["last_step_before_fault"] in (9, 10)
     assert timeline["steps_lost"] == timeline["last_step_before_fault"] - 8
-    assert timeline["detected"] is not None and timeline["detection_to_first_step_s"] > timeline["restore_s"] > 0
+    assert timeline["detected"] < timeline["worker_started"] < timeline["restore_started"] < timeline["first_step_end"]
     assert not snapshot_root(tmp_path).exists()  # removed at the normal end
 
 

@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from trainer.checkpoint.memory import snapshot_root
 from trainer.config.derived import world_size
 from trainer.config.registry import register_configs
 from trainer.environment import distributed_environment, signal_numbers
-from trainer.recovery import FaultRecorder
+from trainer.recovery import WORKER_STARTED, FaultRecorder
 
 if TYPE_CHECKING:
     from trainer.interfaces.strategy import Strategy
@@ -118,6 +119,7 @@ def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path
     name (trainer.run.train) and imported again in the worker."""
     from trainer.preemption import TrainingPreempted
 
+    os.environ[WORKER_STARTED] = repr(time.time())  # the recovery timeline's `worker_started` (trainer/recovery.py)
     register_configs()
     configure_worker_logging(int(os.environ.get("RANK", "0")), Path(run_dir))
     try:

@@ -7,8 +7,8 @@ Where each time comes from (all `time.time()`, seconds since the epoch, on the o
   worker, just before it stops the others and starts the new ones.
 - `last_step_before_fault`: rank 0 of the failed attempt writes its step after every step into
   `<run_dir>/.progress.json` (`record_progress`, only under the agent); the step the job had reached.
-- `worker_started`: the restarted rank 0's process creation time (from /proc; the interpreter start
-  and imports come after it).
+- `worker_started`: when the restarted rank 0 entered `worker_main` (after the process start, the
+  interpreter's start and torch's import; before the process group, the model and the restore).
 - `restore_started` / `restore_s`: around `resume` in the restarted rank 0.
 - `first_step_after_fault`: the end of the first optimizer step of the restarted attempt (rank 0).
 
@@ -27,6 +27,7 @@ from typing import Any, Optional
 FAULTS = "faults.jsonl"
 PROGRESS = ".progress.json"
 RESTART_MESSAGE = "will restart worker group"
+WORKER_STARTED = "TRAINER_WORKER_STARTED"  # set by trainer.launch.worker_main
 
 
 class FaultRecorder(logging.Handler):
@@ -62,15 +63,10 @@ def record_progress(run_dir: Path, step: int) -> None:
     os.replace(temporary, path)
 
 
-def process_start_time() -> Optional[float]:
-    """This process's creation time (Linux /proc), or None elsewhere."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
-        return None
+def worker_started() -> Optional[float]:
+    """When this worker entered trainer.launch.worker_main (None outside the launcher)."""
+    value = os.environ.get(WORKER_STARTED)
+    return float(value) if value else None
 
 
 def _last_line(path: Path) -> Optional[dict[str, Any]]:
@@ -96,7 +92,7 @@ def fault_timeline(run_dir: Path, resumed_step: int, source: str, restore_starte
         "detected": fault["detected"] if fault else None,
         "last_step_before_fault": progress["step"] if progress else None,
         "last_step_time": progress["time"] if progress else None,
-        "worker_started": process_start_time(),
+        "worker_started": worker_started(),
         "restore_started": restore_started,
         "restore_s": restore_s,
         "steps_lost": progress["step"] - resumed_step if progress else None,

@@ -305,7 +305,7 @@ def _restore(trainer: "Trainer", root: Path, group: Any, choice: Choice, world: 
             _write(staging / name, data)
         fetched = [f"{name} from rank {source}" for source, destination, name in transfers if destination == rank]
         if fetched:
-            log.warning(f"[rank {rank}] in-memory snapshot of step {step}: fetched {', '.join(fetched)}")
+            log.warning(f"in-memory snapshot of step {step}: fetched {', '.join(fetched)}")
         with dcp_call() as no_dist:
             dcp.load(request.state, storage_reader=SafeFileSystemReader(staging), planner=WeightsOnlyLoadPlanner(),
                      no_dist=no_dist)
