@@ -126,6 +126,27 @@ class KillDuringSave(KillAtStep):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class LoseSnapshotAndKill(KillAtStep):
+    """SIGKILL one rank at a step after removing in-memory snapshot copies as the loss of its node would:
+    `lose=own` its part (its own shard and the replica it held), `lose=both` also the replica of its shard."""
+
+    def __init__(self, step: int, rank: int = 1, attempt: int = 0, lose: str = "own") -> None:
+        super().__init__(step, rank, attempt)
+        self.lose = lose
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        from trainer.checkpoint.memory import SNAPSHOT_FILE, rank_dir, snapshot_root
+
+        if self._armed(trainer):
+            root = snapshot_root(trainer.run_dir)
+            shutil.rmtree(rank_dir(root, self.rank))
+            if self.lose == "both":
+                for replica in root.glob("rank*/replica-*"):
+                    if json.loads((replica / SNAPSHOT_FILE).read_text())["shard_rank"] == self.rank:
+                        shutil.rmtree(replica)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FailAtStep(Callback):
     """Raise at the end of a step (the state is consistent: the manager's exception save keeps it)."""
 
@@ -138,6 +159,7 @@ class FailAtStep(Callback):
 
 
 HELPERS = {"signal": SignalAtStep, "stop": StopAfterSteps, "kill": KillAtStep, "kill_save": KillDuringSave,
+           "lose": LoseSnapshotAndKill, "lose_both": LoseSnapshotAndKill,
            "fail": FailAtStep}
 
 
@@ -280,6 +302,42 @@ def test_killed_ranks_restart_and_resume_from_the_last_complete_checkpoint(launc
     assert summary["steps"] == STEPS
     assert summary["final_train_loss"] == column(launches / "np2" / "ddp-straight")[STEPS]
     assert latest_complete_checkpoint(checkpoints).name == f"step_{STEPS:08d}"
+
+
+@pytest.mark.slow
+def test_killed_rank_recovers_from_the_in_memory_replica_and_falls_back_to_disk_when_both_copies_are_lost(
+        launches: Path, tmp_path: Path) -> None:
+    """`trainer.max_restarts=2`, disk checkpoints every 4 steps, in-memory snapshots every 3. Rank 1 loses its
+    shared memory (own shard and the replica it held) and is SIGKILLed at step 7: the restart restores the
+    snapshot of step 6 (newer than the disk's step 4), rank 1 fetching its shard from rank 0's replica. At
+    step 10 both copies of rank 1's shard of the step-9 snapshot are lost with the kill: the restart says
+    so and resumes from the disk checkpoint of step 8. Every loss is the uninterrupted run's, bitwise."""
+    command = [sys.executable, "-m", "trainer", *BASE, *TWO["ddp"], *CHECKPOINTS, "callbacks.checkpoint.every_n_steps=4",
+               "callbacks.checkpoint.in_memory_every=3", "trainer.max_restarts=2", f"hydra.run.dir={tmp_path}",
+               *helper("lose", step=7, rank=1, attempt=0, lose="own"),
+               *helper("lose_both", step=10, rank=1, attempt=1, lose="both")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    from trainer.checkpoint.memory import snapshot_root
+
+    assert f"resumed from the in-memory snapshot of step 6 in {snapshot_root(tmp_path)} (restart 1)" in log
+    assert "in-memory snapshot of step 6: fetched __0_0.distcp from rank 0, __1_0.distcp from rank 0" in result.stdout
+    assert ("in-memory snapshot of step 9 lost: the shard(s) of rank(s) [1] have neither their own copy nor their "
+            "replica; resuming from the newest disk checkpoint instead") in log
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000008'} at step 8 (restart 2)" in log
+    reference = column(launches / "np2" / "ddp-straight")
+    resumed = column(tmp_path)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s] for s in range(1, STEPS + 1)] == [reference[s] for s in range(1, STEPS + 1)]
+    timeline = json.loads((tmp_path / "summary.json").read_text())["recovery"]
+    assert timeline["restart"] == 2 and timeline["resumed_step"] == 8 and timeline["first_step_after_fault"] == 9
+    # rank 0 reached step 10 (rank 1 was killed at its end) or, if killed first, step 9
+    assert timeline["last_step_before_fault"] in (9, 10)
+    assert timeline["steps_lost"] == timeline["last_step_before_fault"] - 8
+    assert timeline["detected"] < timeline["worker_started"] < timeline["restore_started"] < timeline["first_step_end"]
+    assert not snapshot_root(tmp_path).exists()  # removed at the normal end
 
 
 # ---- one process ------------------------------------------------------------------------------------------

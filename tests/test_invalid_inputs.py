@@ -171,6 +171,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
      "callbacks.checkpoint: keep_last must be >= 1"),
     ("trainer", ["callbacks=[default,checkpoint]", "callbacks.checkpoint.every_n_steps=0"], 2,
      "callbacks.checkpoint: every_n_steps must be >= 1"),
+    ("trainer", ["callbacks=[default,checkpoint]", "callbacks.checkpoint.in_memory_every=0"], 2,
+     "callbacks.checkpoint: in_memory_every must be >= 1"),
     ("trainer", ["callbacks=[default,checkpoint]", "callbacks.checkpoint.mode=median"], 2,
      "callbacks.checkpoint: mode must be min or max"),
     ("trainer", ["callbacks=[default,checkpoint]", "callbacks.checkpoint.directory=/proc/ckpts"], 2,

@@ -180,6 +180,11 @@ class CheckpointProvider(Callback, ABC):
         finished first, so that it is listed.
         """
 
+    def snapshot_root(self, run_dir: Path | str) -> Optional[Path]:
+        """Where the run's in-memory snapshots are (trainer/checkpoint/memory.py), or None (the default)
+        when it takes none; resume restores the newest of them when it is newer than the disk's."""
+        return None
+
     def save_for_preemption(self, trainer: "Trainer") -> Optional[Path]:
         """Save the state of this step boundary now (collective, synchronous) because the run is being
         preempted (trainer/preemption.py owns the signals and calls this), and return the checkpoint; None

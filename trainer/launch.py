@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.checkpoint.memory import snapshot_root
 from trainer.config.derived import world_size
 from trainer.config.registry import register_configs
 from trainer.environment import distributed_environment, signal_numbers
+from trainer.recovery import WORKER_STARTED, FaultRecorder
 
 if TYPE_CHECKING:
     from trainer.interfaces.strategy import Strategy
@@ -65,6 +68,15 @@ def route_agent_logs(run_dir: Path) -> Path:
         old.close()
     _agent_log.update(handler=handler, path=path)
     return path
+
+
+def record_faults(run_dir: Path) -> logging.Handler:
+    """Record when the elastic agent decides to restart the workers (trainer/recovery.py's `detected`): its
+    agent module logs that at INFO, let through to launcher.log as well."""
+    recorder = FaultRecorder(run_dir)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
+    logging.getLogger(AGENT_LOGGERS[0]).addHandler(recorder)
+    return recorder
 
 
 def adopt_slurm_environment() -> None:
@@ -107,6 +119,7 @@ def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path
     name (trainer.run.train) and imported again in the worker."""
     from trainer.preemption import TrainingPreempted
 
+    os.environ[WORKER_STARTED] = repr(time.time())  # the recovery timeline's `worker_started` (trainer/recovery.py)
     register_configs()
     configure_worker_logging(int(os.environ.get("RANK", "0")), Path(run_dir))
     try:
@@ -156,8 +169,16 @@ def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], A
     log.info(f"launching {int(t.devices)} worker(s) on this node ({nodes} node(s), "
              f"{world_size(cfg)} processes, {threads} thread(s) each)")
     route_agent_logs(run_dir)
-    with forward_signals(list(t.preemption_signals)):
-        results = elastic_launch(config, worker_main)(resolved, str(run_dir), train)
+    recorder = record_faults(run_dir) if int(t.max_restarts) > 0 else None
+    try:
+        with forward_signals(list(t.preemption_signals)):
+            results = elastic_launch(config, worker_main)(resolved, str(run_dir), train)
+    finally:
+        if recorder is not None:
+            logging.getLogger(AGENT_LOGGERS[0]).removeHandler(recorder)
+        # What the workers left in shared memory (in-memory snapshots of a job that failed for good; a
+        # normal end removed them): the job is over, nothing will restore them.
+        shutil.rmtree(snapshot_root(run_dir), ignore_errors=True)
     preempted = [result["preempted"] for result in (results or {}).values()
                  if isinstance(result, dict) and "preempted" in result]
     if preempted:

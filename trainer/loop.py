@@ -108,6 +108,9 @@ class Trainer:
         # `preempted_by` is the agreed signal's name once the ranks stopped for it.
         self.preemption = PreemptionSignals(config.preemption_signals)
         self.preempted_by: str | None = None
+        # After a restart by the elastic agent: the fault-to-resume timeline (trainer/recovery.py), set by
+        # resume on rank 0 and completed at the first step; in summary.json as `recovery`.
+        self.recovery: dict[str, Any] | None = None
         # The loader's position at the last step boundary: a checkpoint written while a step is under
         # way (on an exception) must not count the batch that step has already drawn.
         self._loader_state: dict[str, Any] = self.train_loader.state_dict()
@@ -401,4 +404,5 @@ class Trainer:
             "peak_memory_bytes_per_rank": self.strategy.all_gather_object(peak_memory_bytes(self.strategy.device)),
             # parameters, gradients and optimizer states held by each rank (its shards), after step 1
             "state_bytes_per_rank": self.strategy.all_gather_object(self.state_bytes),
+            **({"recovery": self.recovery} if self.recovery is not None else {}),
         }

@@ -10,6 +10,10 @@ it calls `save_for_preemption`, so the preemption checkpoint is one of this mana
 retention). An exception saves what the run had reached when every rank fails together (single process,
 or all ranks meeting within `exception_timeout_s`).
 
+In-memory snapshots (`in_memory_every`, trainer/checkpoint/memory.py): every N steps each rank writes its
+shard into host shared memory and a replica of it onto its peer; a job restarted by the elastic agent
+resumes from the newest one without reading the disk. They are removed at the end of the run.
+
 Every decision is agreed across ranks (one small all-reduce per step when a save timer is set or an
 asynchronous save is in flight), since a save is collective.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,8 +32,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from trainer import recovery
 from trainer.callback import CheckpointProvider
 from trainer.checkpoint.io import PendingCheckpoint, save_checkpoint
+from trainer.checkpoint.memory import remove_snapshots, save_snapshot, snapshot_root
 from trainer.checkpoint.manifest import (
     CheckpointError,
     RetentionPolicy,
@@ -62,10 +69,11 @@ class CheckpointManager(CheckpointProvider):
                  every_n_minutes: Optional[float] = None, save_last: bool = True, keep_last: int = 3,
                  keep_best: int = 0, monitor: str = "val_loss", mode: str = "min",
                  milestone_every: Optional[int] = None, save_on_exception: bool = True,
-                 exception_timeout_s: float = 10.0, async_save: bool = False) -> None:
+                 exception_timeout_s: float = 10.0, async_save: bool = False,
+                 in_memory_every: Optional[int] = None) -> None:
         self.check(every_n_steps=every_n_steps, every_n_minutes=every_n_minutes, keep_last=keep_last,
                    keep_best=keep_best, mode=mode, milestone_every=milestone_every,
-                   exception_timeout_s=exception_timeout_s)
+                   exception_timeout_s=exception_timeout_s, in_memory_every=in_memory_every)
         self._configured_directory = directory
         self.directory: Optional[Path] = None
         self.every_n_steps = every_n_steps
@@ -76,6 +84,10 @@ class CheckpointManager(CheckpointProvider):
         self.save_on_exception = save_on_exception
         self.exception_timeout_s = exception_timeout_s
         self.async_save = async_save
+        self.in_memory_every = in_memory_every
+        # seconds each in-memory snapshot held the loop up (this rank's)
+        self.snapshot_stalls: list[float] = []
+        self._snapshot_group: Any = None
         self.last_saved_step: Optional[int] = None
         self._trainer: Optional["Trainer"] = None
         self._pending: Optional[PendingCheckpoint] = None
@@ -87,7 +99,8 @@ class CheckpointManager(CheckpointProvider):
     # ---- configuration ------------------------------------------------------------------------------
     @staticmethod
     def check(*, every_n_steps: Optional[int], every_n_minutes: Optional[float], keep_last: int, keep_best: int,
-              mode: str, milestone_every: Optional[int], exception_timeout_s: float) -> None:
+              mode: str, milestone_every: Optional[int], exception_timeout_s: float,
+              in_memory_every: Optional[int] = None) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or null, got {every_n_steps}")
         if every_n_minutes is not None and every_n_minutes <= 0:
@@ -102,6 +115,8 @@ class CheckpointManager(CheckpointProvider):
             raise ValueError(f"milestone_every must be >= 1 or null, got {milestone_every}")
         if exception_timeout_s < 0:
             raise ValueError(f"exception_timeout_s must be >= 0, got {exception_timeout_s}")
+        if in_memory_every is not None and in_memory_every < 1:
+            raise ValueError(f"in_memory_every must be >= 1 or null, got {in_memory_every}")
 
     @staticmethod
     def check_directory(directory: str) -> None:
@@ -128,13 +143,18 @@ class CheckpointManager(CheckpointProvider):
         cls.check(every_n_steps=node.get("every_n_steps"), every_n_minutes=node.get("every_n_minutes"),
                   keep_last=node.get("keep_last", 3), keep_best=node.get("keep_best", 0),
                   mode=node.get("mode", "min"), milestone_every=node.get("milestone_every"),
-                  exception_timeout_s=node.get("exception_timeout_s", 10.0))
+                  exception_timeout_s=node.get("exception_timeout_s", 10.0),
+                  in_memory_every=node.get("in_memory_every"))
 
     def resolve_directory(self, run_dir: Path | str) -> Path:
         """The checkpoint directory of a run in `run_dir` (relative `directory` options are under it)."""
         directory = Path(self._configured_directory).expanduser()
         self.directory = directory if directory.is_absolute() else Path(run_dir) / directory
         return self.directory
+
+    def snapshot_root(self, run_dir: Path | str) -> Optional[Path]:
+        """Where the run's in-memory snapshots are (None without `in_memory_every`)."""
+        return snapshot_root(run_dir) if self.in_memory_every is not None else None
 
     # ---- queries --------------------------------------------------------------------------------------
     def latest_checkpoint(self, trainer: "Trainer", before_step: Optional[int] = None) -> Optional[Path]:
@@ -217,6 +237,10 @@ class CheckpointManager(CheckpointProvider):
                 self._async_group = dist.new_group(backend="gloo")
             if self.save_on_exception:
                 self._agreement_group = dist.new_group(backend="gloo")
+            if self.in_memory_every is not None:  # the snapshots' bytes travel over gloo whatever the training group
+                self._snapshot_group = dist.new_group(backend="gloo")
+        self.snapshot_stalls = []
+        self._recording_progress = trainer.is_global_zero and recovery.under_restarting_agent()
         self._last_save_time = time.monotonic()
         self._saving = False
         trainer.strategy.barrier()
@@ -247,12 +271,28 @@ class CheckpointManager(CheckpointProvider):
         return flags[0], pending and not flags[1]
 
     def on_train_batch_end(self, trainer: "Trainer", outputs: dict[str, Any]) -> None:
+        if trainer.recovery is not None and "first_step_end" not in trainer.recovery:
+            trainer.recovery = recovery.complete(trainer.recovery, time.time(), trainer.step)
+            log.info(recovery.describe(trainer.recovery))
+        if self._recording_progress:
+            recovery.record_progress(trainer.run_dir, trainer.step)
         timed, written = self._agreed_flags()
         if written:
             self._finish_pending()
         periodic = self.every_n_steps is not None and trainer.step % self.every_n_steps == 0
         if periodic or timed:
             self.save(trainer, "periodic" if periodic else "timed")
+        if self.in_memory_every is not None and trainer.step % self.in_memory_every == 0:
+            self._snapshot(trainer)
+
+    def _snapshot(self, trainer: "Trainer") -> None:
+        root = snapshot_root(trainer.run_dir)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.strategy.world_size))
+        stall = save_snapshot(trainer, root, self._snapshot_group, local_world)
+        if trainer.is_global_zero and not self.snapshot_stalls:
+            log.info(f"in-memory snapshots every {self.in_memory_every} steps in {root} (removed at the end of the "
+                     f"run; a crashed job's: rm -rf {root}); step {trainer.step}'s took {stall:.2f} s")
+        self.snapshot_stalls.append(stall)
 
     def on_validation_end(self, trainer: "Trainer") -> None:
         # Validation runs after the step's save: record its result in that checkpoint's manifest, so that
@@ -276,6 +316,13 @@ class CheckpointManager(CheckpointProvider):
             self.save(trainer, "end", asynchronous=False)
         if self._pending is not None:
             self._finish_pending()
+        if self.in_memory_every is not None:
+            # the run ended normally: its state is on disk (save_last) or the user chose not to keep it
+            remove_snapshots(snapshot_root(trainer.run_dir), trainer.strategy.rank)
+            if self.snapshot_stalls and trainer.is_global_zero:
+                stalls = sorted(self.snapshot_stalls)
+                log.info(f"in-memory snapshots: {len(stalls)}, median stall {stalls[len(stalls) // 2]:.3f} s "
+                         f"(rank 0)")
 
     def on_exception(self, trainer: "Trainer", exception: BaseException) -> None:
         self._pending = None
@@ -337,3 +384,7 @@ class CheckpointManagerConfig:
     exception_timeout_s: float = 10.0
     # Write checkpoints in a background thread (host copy first; the run continues while it writes).
     async_save: bool = False
+    # Snapshot the whole state into host shared memory every N steps, each rank's shard replicated on a
+    # peer rank (another node when there are several); a restarted job resumes from it without reading
+    # the disk when it is at least as new as the newest checkpoint (null: no snapshots).
+    in_memory_every: Optional[int] = None

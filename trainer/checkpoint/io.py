@@ -11,6 +11,7 @@ import logging
 import shutil
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -76,7 +77,8 @@ def _agree(trainer: "Trainer", error: Optional[BaseException]) -> None:
             raise CheckpointError(f"rank {rank}: {message}")
 
 
-def _manifest(trainer: "Trainer", reason: str, metrics: Optional[dict[str, float]]) -> dict[str, Any]:
+def manifest_for(trainer: "Trainer", reason: str, metrics: Optional[dict[str, float]]) -> dict[str, Any]:
+    """The manifest fields describing the state saved now (a checkpoint's and an in-memory snapshot's)."""
     strategy = trainer.strategy
     dims = strategy.parallel_dims
     return {
@@ -185,7 +187,7 @@ def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optio
     _agree(trainer, error)
     state = collect_state(trainer)
     needed = _check_space(trainer, state, path, partial)
-    manifest = _manifest(trainer, reason, metrics)
+    manifest = manifest_for(trainer, reason, metrics)
     config_yaml = _config_yaml(trainer)
     writer = FileSystemWriter(partial, single_file_per_rank=True, sync_files=True)
     planner = DefaultSavePlanner()
@@ -279,22 +281,49 @@ def load_checkpoint(trainer: "Trainer", path: Path | str, *, weights_only: bool 
 
 
 def _load_checkpoint(trainer: "Trainer", path: Path, weights_only: bool, verify: bool) -> dict[str, Any]:
-    strategy = trainer.strategy
     manifest = read_manifest(path)
-    problems = architecture_mismatch(manifest.get("model"), model_config_dict(trainer))
-    if problems:
-        raise CheckpointError(f"checkpoint {path} was saved for another model: " + "; ".join(problems))
+    check_architecture(trainer, manifest, str(path))
     if verify:
         verify_checkpoint(trainer, path, manifest)
-    saved_keys = set(read_metadata(path).state_dict_metadata)
+    request = prepare_load(trainer, manifest, set(read_metadata(path).state_dict_metadata), str(path), weights_only)
+    try:
+        with dcp_call() as no_dist:
+            dcp.load(request.state, storage_reader=SafeFileSystemReader(path), planner=WeightsOnlyLoadPlanner(),
+                     no_dist=no_dist)
+    except CheckpointException as error:
+        rank, failure = next(iter(error.failures.items()))
+        raise CheckpointError(f"loading checkpoint {path} failed on rank {rank}: {failure}") from None
+    finish_load(trainer, request, manifest)
+    return manifest
 
-    # What this rank needs; a problem found by any rank (each holds other weights under pipelining) stops
-    # every rank before the collective load.
+
+def check_architecture(trainer: "Trainer", manifest: dict[str, Any], source: str) -> None:
+    """Refuse a checkpoint (or in-memory snapshot) saved for another model."""
+    problems = architecture_mismatch(manifest.get("model"), model_config_dict(trainer))
+    if problems:
+        raise CheckpointError(f"checkpoint {source} was saved for another model: " + "; ".join(problems))
+
+
+@dataclass
+class LoadRequest:
+    """What one rank reads from a checkpoint: the DCP state dict to fill, and how to apply it."""
+
+    state: dict[str, Any]
+    entries: list[Any]
+    weights_only: bool
+    restore_rng: bool
+
+
+def prepare_load(trainer: "Trainer", manifest: dict[str, Any], saved_keys: set[str], source: str,
+                 weights_only: bool) -> LoadRequest:
+    """The state dict this rank's layout reads from a checkpoint holding `saved_keys` (collective: a problem
+    found by any rank, each holding other weights under pipelining, stops every rank before the load)."""
+    strategy = trainer.strategy
     error: Optional[BaseException] = None
     state: dict[str, Any] = {f"{MODEL_PREFIX}{key}": value for key, value in model_state(trainer.model_parts).items()}
     missing = sorted(key[len(MODEL_PREFIX):] for key in state if key not in saved_keys)
     if missing:
-        error = CheckpointError(f"checkpoint {path} has no weights for {', '.join(missing[:5])}"
+        error = CheckpointError(f"checkpoint {source} has no weights for {', '.join(missing[:5])}"
                                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     entries = []
     if not weights_only and any(key.startswith(OPTIM_PREFIX) for key in saved_keys):
@@ -307,7 +336,7 @@ def _load_checkpoint(trainer: "Trainer", path: Path, weights_only: bool, verify:
                           if key in saved_keys or not key.endswith(f".{MASTER_WEIGHT}")}
         absent = sorted(key for key in optimizer_keys if key not in saved_keys)
         if absent and error is None:
-            error = CheckpointError(f"checkpoint {path} lacks optimizer states this run needs, e.g. {absent[0]} "
+            error = CheckpointError(f"checkpoint {source} lacks optimizer states this run needs, e.g. {absent[0]} "
                                     "(saved with another optimizer?); start from its weights with init_from instead")
         state.update(optimizer_keys)
     _agree(trainer, error)
@@ -318,29 +347,25 @@ def _load_checkpoint(trainer: "Trainer", path: Path, weights_only: bool, verify:
         restore_rng = manifest.get("world_size") == strategy.world_size and rng_key in saved_keys
         if restore_rng:
             state[rng_key] = b""
+    return LoadRequest(state, entries, weights_only, restore_rng)
 
-    try:
-        with dcp_call() as no_dist:
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=WeightsOnlyLoadPlanner(),
-                     no_dist=no_dist)
-    except CheckpointException as error:
-        rank, failure = next(iter(error.failures.items()))
-        raise CheckpointError(f"loading checkpoint {path} failed on rank {rank}: {failure}") from None
 
+def finish_load(trainer: "Trainer", request: LoadRequest, manifest: dict[str, Any]) -> None:
+    """Apply a loaded state dict: weights, then (unless weights only) optimizer, counters, RNG, callbacks."""
+    strategy, state = trainer.strategy, request.state
     load_model_state(trainer.model_parts, {key[len(MODEL_PREFIX):]: value for key, value in state.items()
                                            if key.startswith(MODEL_PREFIX)})
     trainer.precision.weights_written()  # copies the optimizer steps (masters, offloaded) follow the weights
-    if weights_only:
-        return manifest
-    if entries:
-        load_optimizer_state(entries, trainer.optimizer, state)
+    if request.weights_only:
+        return
+    if request.entries:
+        load_optimizer_state(request.entries, trainer.optimizer, state)
     section = unpack(state[TRAINER_KEY])
     load_trainer_state(trainer, section)
-    if restore_rng:
+    if request.restore_rng:
         load_rng_state(unpack(state[f"{RNG_PREFIX}{strategy.rank}"]))
     elif strategy.is_global_zero:
         log.info(f"checkpoint saved on {manifest.get('world_size')} ranks, resumed on {strategy.world_size}: "
                  "random generators keep this run's seeds")
     for callback in trainer.callbacks:
         callback.on_load_checkpoint(trainer, section)
-    return manifest

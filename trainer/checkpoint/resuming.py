@@ -16,13 +16,24 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+
+import torch.distributed as dist
 
 from trainer.callback import CheckpointProvider, Providers
 from trainer.checkpoint.hf import is_hf_model, load_hf_weights
 from trainer.checkpoint.io import load_checkpoint
-from trainer.checkpoint.manifest import CheckpointCorruptError, CheckpointError, complete_checkpoints, is_checkpoint
+from trainer.checkpoint.manifest import (
+    CheckpointCorruptError,
+    CheckpointError,
+    checkpoint_step,
+    complete_checkpoints,
+    is_checkpoint,
+)
+from trainer.checkpoint.memory import restore_snapshot
+from trainer.recovery import fault_timeline
 
 if TYPE_CHECKING:
     from trainer.loop import Trainer
@@ -62,10 +73,23 @@ def _candidates(trainer: "Trainer", source: str) -> tuple[list[Path], bool]:
 def resume(trainer: "Trainer", source: str = "auto", init_from: Optional[str] = None) -> Optional[Path]:
     """Restore the state the run starts from (collective): `source` is the `resume` option (auto, none or
     a path). Returns the checkpoint resumed, or None for a new run."""
+    start = time.time()
+    resumed = _resume(trainer, source, init_from)
+    if restart_count() > 0 and trainer.is_global_zero:
+        label = str(resumed) if resumed is not None else "nothing (step 0)"
+        trainer.recovery = fault_timeline(trainer.run_dir, trainer.step, label, start, time.time() - start)
+    return resumed
+
+
+def _resume(trainer: "Trainer", source: str, init_from: Optional[str]) -> Optional[Path]:
     if source != "none":
         candidates, fallback = _candidates(trainer, source)
         # Every rank must try the same checkpoints in the same order: rank 0's listing decides.
         candidates = [Path(p) for p in trainer.strategy.all_gather_object([str(p) for p in candidates])[0]]
+        if fallback:  # resume=auto, or a restarted worker: the run's own state, the newer of memory and disk
+            snapshot = _resume_from_memory(trainer, checkpoint_step(candidates[0]) if candidates else None)
+            if snapshot is not None:
+                return snapshot
         damaged = []
         for path in candidates:
             try:
@@ -97,3 +121,24 @@ def resume(trainer: "Trainer", source: str = "auto", init_from: Optional[str] = 
         if trainer.is_global_zero:
             log.info(f"initialized the weights from {weights} (a new run: step 0, fresh optimizer)")
     return None
+
+
+def _resume_from_memory(trainer: "Trainer", disk_step: Optional[int]) -> Optional[Path]:
+    """Restore the newest in-memory snapshot (trainer/checkpoint/memory.py) when the run's checkpoint
+    provider takes them and one is at least as new as the disk's (collective). Returns its directory."""
+    providers = Providers(trainer.callbacks).all(CheckpointProvider)
+    root = providers[0].snapshot_root(trainer.run_dir) if providers else None
+    if root is None:
+        return None
+    start = time.perf_counter()
+    distributed = dist.is_available() and dist.is_initialized() and trainer.strategy.world_size > 1
+    # The bytes travel over a gloo group of their own (the training group may be NCCL).
+    group = dist.new_group(backend="gloo") if distributed else None
+    step = restore_snapshot(trainer, root, group, disk_step)
+    if step is None:
+        return None
+    if trainer.is_global_zero:
+        attempt = f" (restart {restart_count()})" if restart_count() else ""
+        log.info(f"resumed from the in-memory snapshot of step {step} in {root}{attempt}, "
+                 f"{time.perf_counter() - start:.2f} s, no disk read")
+    return root
