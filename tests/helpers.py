@@ -203,17 +203,14 @@ class KillSelf(Callback):
       listed earlier has saved that step's checkpoint);
     - `phase=commit`: while the checkpoint of step `step` is being committed: its shards and manifest are
       written into the `.partial` directory, the rename that publishes it has not happened;
-    - `phase=async_write`: while an asynchronous save of step `step` is being written in its background
-      thread (after its first item is written, before the commit);
     - `phase=metrics`: in the middle of writing metrics.csv, at the first write during step `step` (the flush
       before that step's checkpoint): half of the text reaches the file.
     """
 
     def __init__(self, step: int, phase: str = "step") -> None:
-        assert phase in ("step", "commit", "metrics", "async_write"), phase
+        assert phase in ("step", "commit", "metrics"), phase
         self.step = step
         self.phase = phase
-        self.armed = False
 
     @staticmethod
     def _kill() -> None:
@@ -234,21 +231,6 @@ class KillSelf(Callback):
                     self._kill()
 
             manifest._fsync_dir = fsync_then_die
-        elif self.phase == "async_write":
-            import threading
-
-            import torch.distributed.checkpoint.filesystem as filesystem
-
-            write_item = filesystem._write_item
-
-            def write_then_die(*args: Any, **kwargs: Any) -> Any:
-                written = write_item(*args, **kwargs)
-                # the loop may be a step further by now: the save of `step` armed it (on_save_checkpoint)
-                if self.armed and threading.current_thread() is not threading.main_thread():
-                    self._kill()
-                return written
-
-            filesystem._write_item = write_then_die
         elif self.phase == "metrics":
             from trainer.plugins.loggers.durable_csv import DurableCSVLogger
 
@@ -269,9 +251,6 @@ class KillSelf(Callback):
     def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
         if self.phase == "step" and trainer.step == self.step:
             self._kill()
-
-    def on_save_checkpoint(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
-        self.armed |= self.phase == "async_write" and trainer.step == self.step
 
 
 # ---- faults for the hang watchdog and the straggler report (tests/test_hang.py) ----------------------------

@@ -282,57 +282,47 @@ def test_zero3_checkpoint_resumes_on_a_single_process(launches: Path, tmp_path: 
 
 
 @pytest.mark.slow
-def test_killed_ranks_restart_and_resume_from_the_last_complete_checkpoint(launches: Path, tmp_path: Path) -> None:
-    """`python -m trainer trainer.max_restarts=2`: rank 1 is SIGKILLed at step 6 (the elastic agent restarts
-    the job, which resumes from step 4), then SIGKILLed while step 8 is being saved (that save never
-    completes: the next restart resumes from step 4 again and removes it). The job still ends with the
-    final loss of the uninterrupted run."""
+def test_killed_ranks_restart_from_the_in_memory_replica_or_the_last_complete_checkpoint(
+        launches: Path, tmp_path: Path) -> None:
+    """One `python -m trainer trainer.max_restarts=3` job (2 ddp ranks), disk checkpoints every 4 steps,
+    in-memory snapshots every 3, three faults of rank 1:
+
+    1. at step 7 it loses its shared memory (its own shard and the replica it held) and is SIGKILLed: the
+       restart restores the snapshot of step 6 (newer than the disk's step 4) without reading the disk, rank 1
+       fetching its shard from rank 0's replica;
+    2. it is SIGKILLed while the disk checkpoint of step 8 is being written: that save never completes (the
+       next start removes it) and the restart restores the snapshot of step 6 again;
+    3. at step 10 both copies of its shard of the step-9 snapshot are lost with the kill: the restart says so
+       and resumes from the disk checkpoint of step 8.
+    Every loss is the uninterrupted run's, bitwise, and the summary holds the last fault's timeline."""
     command = [sys.executable, "-m", "trainer", *BASE, *TWO["ddp"], *CHECKPOINTS, "callbacks.checkpoint.every_n_steps=4",
-               "trainer.max_restarts=2", f"hydra.run.dir={tmp_path}",
-               *helper("kill", step=6, rank=1, attempt=0), *helper("kill_save", step=8, rank=1, attempt=1)]
+               "callbacks.checkpoint.in_memory_every=3", "trainer.max_restarts=3", f"hydra.run.dir={tmp_path}",
+               *helper("lose", step=7, rank=1, attempt=0, lose="own"),
+               *helper("kill_save", step=8, rank=1, attempt=1),
+               *helper("lose_both", step=10, rank=1, attempt=2, lose="both")]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = (tmp_path / "train.log").read_text()
     checkpoints = tmp_path / "checkpoints"
-    assert f"resumed from {checkpoints / 'step_00000004'} at step 4 (restart 1)" in log
-    assert f"resumed from {checkpoints / 'step_00000004'} at step 4 (restart 2)" in log
-    assert f"removed an incomplete save (a process stopped while writing it): {checkpoints / '.step_00000008.partial'}" in log
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == STEPS
-    assert summary["final_train_loss"] == column(launches / "np2" / "ddp-straight")[STEPS]
-    assert latest_complete_checkpoint(checkpoints).name == f"step_{STEPS:08d}"
-
-
-@pytest.mark.slow
-def test_killed_rank_recovers_from_the_in_memory_replica_and_falls_back_to_disk_when_both_copies_are_lost(
-        launches: Path, tmp_path: Path) -> None:
-    """`trainer.max_restarts=2`, disk checkpoints every 4 steps, in-memory snapshots every 3. Rank 1 loses its
-    shared memory (own shard and the replica it held) and is SIGKILLed at step 7: the restart restores the
-    snapshot of step 6 (newer than the disk's step 4), rank 1 fetching its shard from rank 0's replica. At
-    step 10 both copies of rank 1's shard of the step-9 snapshot are lost with the kill: the restart says
-    so and resumes from the disk checkpoint of step 8. Every loss is the uninterrupted run's, bitwise."""
-    command = [sys.executable, "-m", "trainer", *BASE, *TWO["ddp"], *CHECKPOINTS, "callbacks.checkpoint.every_n_steps=4",
-               "callbacks.checkpoint.in_memory_every=3", "trainer.max_restarts=2", f"hydra.run.dir={tmp_path}",
-               *helper("lose", step=7, rank=1, attempt=0, lose="own"),
-               *helper("lose_both", step=10, rank=1, attempt=1, lose="both")]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=900,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    log = (tmp_path / "train.log").read_text()
     from trainer.checkpoint.memory import snapshot_root
 
     assert f"resumed from the in-memory snapshot of step 6 in {snapshot_root(tmp_path)} (restart 1)" in log
     assert "in-memory snapshot of step 6: fetched __0_0.distcp from rank 0, __1_0.distcp from rank 0" in result.stdout
+    assert f"resumed from the in-memory snapshot of step 6 in {snapshot_root(tmp_path)} (restart 2)" in log
+    assert f"removed an incomplete save (a process stopped while writing it): {checkpoints / '.step_00000008.partial'}" in log
     assert ("in-memory snapshot of step 9 lost: the shard(s) of rank(s) [1] have neither their own copy nor their "
             "replica; resuming from the newest disk checkpoint instead") in log
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000008'} at step 8 (restart 2)" in log
+    assert f"resumed from {checkpoints / 'step_00000008'} at step 8 (restart 3)" in log
     reference = column(launches / "np2" / "ddp-straight")
     resumed = column(tmp_path)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert [resumed[s] for s in range(1, STEPS + 1)] == [reference[s] for s in range(1, STEPS + 1)]
-    timeline = json.loads((tmp_path / "summary.json").read_text())["recovery"]
-    assert timeline["restart"] == 2 and timeline["resumed_step"] == 8 and timeline["first_step_after_fault"] == 9
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["final_train_loss"] == reference[STEPS]
+    assert latest_complete_checkpoint(checkpoints).name == f"step_{STEPS:08d}"
+    timeline = summary["recovery"]
+    assert timeline["restart"] == 3 and timeline["resumed_step"] == 8 and timeline["first_step_after_fault"] == 9
     # rank 0 reached step 10 (rank 1 was killed at its end) or, if killed first, step 9
     assert timeline["last_step_before_fault"] in (9, 10)
     assert timeline["steps_lost"] == timeline["last_step_before_fault"] - 8
