@@ -217,6 +217,10 @@ INVALID = [
       "trainer.micro_batch_size=4"],
      "strategy: schedule=zbv splits each backward into input- and weight-gradient passes, and torch's weight pass "
      "does not reach the parameters of a stage that data_parallel=fsdp wraps (dp x cp = 2)"),
+    (["strategy=3d", "pp=2", "trainer.devices=4", "strategy.schedule=zero_bubble", "strategy.virtual_stages=2",
+      "model.n_layers=4", "trainer.micro_batch_size=4"],
+     "strategy: schedule=zero_bubble splits each backward into input- and weight-gradient passes, and torch's "
+     "weight pass does not reach the parameters of a stage that the sharded data_parallel=fsdp wraps (dp x cp = 2)"),
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipe"],
      "strategy: schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
     (["model=llama2_7b", "strategy=3d", "tp=3", "pp=2", "trainer.devices=12", "trainer.micro_batch_size=2"],
