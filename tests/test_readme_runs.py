@@ -281,7 +281,8 @@ def tiny(args: list[str]) -> list[str]:
     run = TINY_RUN
     if value_of(args, "data") not in (None, "stdlib"):  # data.max_bytes is the stdlib corpus's option
         run = [arg for arg in run if not arg.startswith("data.")]
-    return TINY_MODEL[model_family(args)] + run
+    named = {arg.split("=", 1)[0] for arg in args}  # what the command sets itself (a layer count it needs) stays
+    return [arg for arg in TINY_MODEL[model_family(args)] if arg.split("=", 1)[0] not in named] + run
 
 
 def plan_of(command: Command, quick_start: bool = False) -> Plan:
