@@ -177,10 +177,6 @@ def _write(path: Path, data: torch.Tensor) -> None:
     data.numpy().tofile(path)
 
 
-def _gather(trainer: "Trainer", value: Any) -> list[Any]:
-    return trainer.strategy.all_gather_object(value)
-
-
 # ---- saving ---------------------------------------------------------------------------------------------------
 def save_snapshot(trainer: "Trainer", root: Path, group: Any, local_world: int) -> float:
     """Snapshot the state of this step into shared memory with its replica on the peer (collective); the
@@ -218,7 +214,7 @@ def _save_snapshot(trainer: "Trainer", root: Path, group: Any, local_world: int)
               "manifest": manifest}
     (own_partial / SNAPSHOT_FILE).write_text(json.dumps(record))
     if world > 1:
-        sizes = _gather(trainer, (own_partial / shard).stat().st_size)
+        sizes = trainer.strategy.all_gather_object((own_partial / shard).stat().st_size)
         transfers = [(source, peer_of(source, world, local_world), f"__{source}_0.distcp") for source in range(world)]
         received = exchange(transfers, rank, {shard: own_partial / shard},
                             {f"__{source}_0.distcp": size for source, size in enumerate(sizes)}, group)
@@ -250,7 +246,7 @@ def restore_snapshot(trainer: "Trainer", root: Path, group: Any, disk_step: Opti
     restored, or None (nothing newer in memory, or a shard lost with both its copies: said in one line)."""
     strategy = trainer.strategy
     rank, world = strategy.rank, strategy.world_size
-    reports = _gather(trainer, scan(rank_dir(root, rank), world))
+    reports = trainer.strategy.all_gather_object(scan(rank_dir(root, rank), world))
     choice, lost = choose_snapshot(reports, world)
     if choice is None:
         if lost is not None and strategy.is_global_zero:
@@ -296,7 +292,7 @@ def _restore(trainer: "Trainer", root: Path, group: Any, choice: Choice, world: 
         metadata = read_metadata(staging)
         request = prepare_load(trainer, manifest, set(metadata.state_dict_metadata),
                                f"in-memory snapshot of step {step}", weights_only=False)
-        needs = _gather(trainer, sorted(files_needed(request.state, metadata, strategy.is_global_zero)))
+        needs = strategy.all_gather_object(sorted(files_needed(request.state, metadata, strategy.is_global_zero)))
         transfers = plan_transfers(needs, choice.holders)
         for name in needs[rank]:
             if name in local and name != METADATA_FILE:
