@@ -200,7 +200,8 @@ class KillSelf(Callback):
     """SIGKILL this process (no handler runs, nothing is flushed: a node loss, the OOM killer) at one point:
 
     - `phase=step`: at the end of step `step`, after the callbacks before this one (a checkpoint manager
-      listed earlier has saved that step's checkpoint);
+      listed earlier has saved that step's checkpoint; an asynchronous save is waited for first, so that
+      the kill comes after its commit: the case of a kill right after a checkpoint);
     - `phase=commit`: while the checkpoint of step `step` is being committed: its shards and manifest are
       written into the `.partial` directory, the rename that publishes it has not happened;
     - `phase=metrics`: in the middle of writing metrics.csv, at the first write during step `step` (the flush
@@ -250,6 +251,10 @@ class KillSelf(Callback):
 
     def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
         if self.phase == "step" and trainer.step == self.step:
+            from trainer.callback import CheckpointProvider, Providers
+
+            for provider in Providers(trainer.callbacks).all(CheckpointProvider):
+                provider.latest_checkpoint(trainer)  # finishes (commits) a save in flight
             self._kill()
 
 
@@ -343,3 +348,73 @@ class SkipPipelineSend(Callback):
             return ops
 
         _PipelineStageBase.get_fwd_send_ops = get_fwd_send_ops  # type: ignore[method-assign]
+
+
+# ---- a kill while an asynchronous checkpoint is being written (tests/test_recovery.py) ---------------------
+ASYNC_KILL_RECORD = "async_kill.json"
+ASYNC_WRITE_STALLED = "async_write_stalled"
+LOSSES = "losses.jsonl"
+
+
+class KillDuringAsyncWrite(Callback):
+    """Stall the background write of the checkpoint of `save_step` on `rank` halfway, then SIGKILL that rank
+    at the end of `kill_step` while the write is still in flight, in elastic attempt `attempt` only.
+
+    The stall is a storage hook: DCP's per-item writer (`filesystem._write_item`, looked up at each call by
+    the writing thread) writes and flushes the first item of the shard, creates `<run_dir>/async_write_stalled`
+    and blocks (sleeps; the loop trains on). Before the kill the rank writes `<run_dir>/async_kill.json`:
+    the steps, whether the stall was reached, and the files of the uncommitted save with their sizes. Rank 0
+    appends (attempt, step, its local loss) to `<run_dir>/losses.jsonl` after every step of every attempt.
+    """
+
+    def __init__(self, save_step: int, kill_step: int, rank: int = 1, attempt: int = 0) -> None:
+        assert kill_step > save_step
+        self.save_step, self.kill_step, self.rank, self.attempt = save_step, kill_step, rank, attempt
+
+    def _armed(self, trainer: Any, step: int) -> bool:
+        return _armed(trainer, self.rank, self.attempt) and trainer.step == step
+
+    def on_save_checkpoint(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
+        if not self._armed(trainer, self.save_step):
+            return
+        import time
+        from pathlib import Path
+
+        from torch.distributed.checkpoint import filesystem
+
+        original, marker = filesystem._write_item, Path(trainer.run_dir) / ASYNC_WRITE_STALLED
+        written = [0]
+
+        def stalling_write_item(transforms: Any, stream: Any, *args: Any, **kwargs: Any) -> Any:
+            if written[0] == 1:  # the shard file holds one item, on disk: stall here until the SIGKILL
+                marker.touch()
+                time.sleep(600)
+            written[0] += 1
+            result = original(transforms, stream, *args, **kwargs)
+            stream.flush()
+            return result
+
+        filesystem._write_item = stalling_write_item
+
+    def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
+        import json
+        import signal
+        import time
+        from pathlib import Path
+
+        run_dir = Path(trainer.run_dir)
+        if trainer.strategy.is_global_zero:
+            with open(run_dir / LOSSES, "a") as f:
+                f.write(json.dumps({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                    "step": trainer.step, "loss": float(outputs["loss"])}) + "\n")
+        if not self._armed(trainer, self.kill_step):
+            return
+        deadline = time.monotonic() + 120.0  # the writing thread reaches the stall within milliseconds
+        while not (run_dir / ASYNC_WRITE_STALLED).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        partial = run_dir / "checkpoints" / f".step_{self.save_step:08d}.partial"
+        files = {p.name: p.stat().st_size for p in partial.iterdir()} if partial.is_dir() else None
+        record = {"save_step": self.save_step, "kill_step": trainer.step,
+                  "stalled": (run_dir / ASYNC_WRITE_STALLED).exists(), "partial_files": files}
+        (run_dir / ASYNC_KILL_RECORD).write_text(json.dumps(record))
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -111,6 +111,9 @@ class Trainer:
         # After a restart by the elastic agent: the fault-to-resume timeline (trainer/recovery.py), set by
         # resume on rank 0 and completed at the first step; in summary.json as `recovery`.
         self.recovery: dict[str, Any] | None = None
+        # What the run's disk saves and in-memory snapshots cost the loop (each save's stall, the medians),
+        # set by the checkpoint manager at the end of fit; in summary.json as `checkpoints`.
+        self.checkpoint_figures: dict[str, Any] | None = None
         # The loader's position at the last step boundary: a checkpoint written while a step is under
         # way (on an exception) must not count the batch that step has already drawn.
         self._loader_state: dict[str, Any] = self.train_loader.state_dict()
@@ -405,4 +408,5 @@ class Trainer:
             # parameters, gradients and optimizer states held by each rank (its shards), after step 1
             "state_bytes_per_rank": self.strategy.all_gather_object(self.state_bytes),
             **({"recovery": self.recovery} if self.recovery is not None else {}),
+            **({"checkpoints": self.checkpoint_figures} if self.checkpoint_figures is not None else {}),
         }

@@ -14,6 +14,14 @@ In-memory snapshots (`in_memory_every`, trainer/checkpoint/memory.py): every N s
 shard into host shared memory and a replica of it onto its peer; a job restarted by the elastic agent
 resumes from the newest one without reading the disk. They are removed at the end of the run.
 
+Saves are asynchronous by default (`async_save`): the state is copied to host memory, the loop goes on,
+and a background thread writes it; rank 0 commits it (manifest, rename) only after every rank's write, so a
+crash during the write leaves an uncommitted `.partial` directory that resume never takes. Synchronous
+(the loop waits for the write and the commit): the save at the end (`save_last`), on a preemption signal
+and after an exception (the process is about to exit: the checkpoint must be committed before it does),
+and every save when `async_save=false`. Each save logs one line with the time it held the loop up
+(`stall`), and the end of fit puts every save's figures into summary.json (`checkpoints`).
+
 Every decision is agreed across ranks (one small all-reduce per step when a save timer is set or an
 asynchronous save is in flight), since a save is collective.
 """
@@ -25,7 +33,8 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+import statistics
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -34,7 +43,7 @@ import torch.distributed as dist
 
 from trainer import recovery
 from trainer.callback import CheckpointProvider
-from trainer.checkpoint.io import PendingCheckpoint, save_checkpoint
+from trainer.checkpoint.io import PendingCheckpoint, finish_checkpoint, save_checkpoint
 from trainer.checkpoint.memory import remove_snapshots, save_snapshot, snapshot_root
 from trainer.checkpoint.manifest import (
     CheckpointError,
@@ -57,6 +66,51 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+@dataclass
+class SaveRecord:
+    """What one save cost the training loop, on rank 0's clock (the save is collective: the other ranks wait
+    about as long)."""
+
+    step: int
+    reason: str
+    asynchronous: bool
+    # The save call: a synchronous save's whole write and commit; an asynchronous one's copy of the state to
+    # host memory and the hand-over to the writing thread (with the space check and the metrics flush).
+    call_s: float
+    # Later waits of the loop for this save's background write to end: the next save, `latest_checkpoint`,
+    # the end of fit (0 when it had ended by then).
+    wait_s: float = 0.0
+    # Asynchronous: from the hand-over to the end of the write on rank 0 and its commit (the loop trained
+    # meanwhile).
+    write_s: Optional[float] = None
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds the loop stood still for this save."""
+        return self.call_s + self.wait_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "stall_s": self.stall_s}
+
+
+def save_figures(records: list[SaveRecord], snapshot_stalls: list[float]) -> dict[str, Any]:
+    """summary.json `checkpoints`: every save, and the median and largest stall per kind of save."""
+    def kind(stalls: list[float], extra: dict[str, Any]) -> dict[str, Any]:
+        if not stalls:
+            return {"saves": 0}
+        return {"saves": len(stalls), "median_stall_s": statistics.median(stalls), "max_stall_s": max(stalls), **extra}
+
+    asynchronous = [r for r in records if r.asynchronous]
+    writes = [r.write_s for r in asynchronous if r.write_s is not None]
+    return {
+        "saves": [record.as_dict() for record in records],
+        "asynchronous": kind([r.stall_s for r in asynchronous],
+                             {"median_write_s": statistics.median(writes)} if writes else {}),
+        "synchronous": kind([r.stall_s for r in records if not r.asynchronous], {}),
+        "in_memory": kind(snapshot_stalls, {}),
+    }
+
+
 class CheckpointManager(CheckpointProvider):
     """Saves the whole training state on a schedule, on preemption and on failure; prunes old saves.
 
@@ -69,7 +123,7 @@ class CheckpointManager(CheckpointProvider):
                  every_n_minutes: Optional[float] = None, save_last: bool = True, keep_last: int = 3,
                  keep_best: int = 0, monitor: str = "val_loss", mode: str = "min",
                  milestone_every: Optional[int] = None, save_on_exception: bool = True,
-                 exception_timeout_s: float = 10.0, async_save: bool = False,
+                 exception_timeout_s: float = 10.0, async_save: bool = True,
                  in_memory_every: Optional[int] = None) -> None:
         self.check(every_n_steps=every_n_steps, every_n_minutes=every_n_minutes, keep_last=keep_last,
                    keep_best=keep_best, mode=mode, milestone_every=milestone_every,
@@ -87,6 +141,10 @@ class CheckpointManager(CheckpointProvider):
         self.in_memory_every = in_memory_every
         # seconds each in-memory snapshot held the loop up (this rank's)
         self.snapshot_stalls: list[float] = []
+        # what each disk save of this fit cost the loop (summary.json `checkpoints`)
+        self.saves: list[SaveRecord] = []
+        # validation metrics of a step whose asynchronous save had not committed yet: into its manifest at the commit
+        self._late_metrics: dict[int, dict[str, float]] = {}
         self._snapshot_group: Any = None
         self.last_saved_step: Optional[int] = None
         self._trainer: Optional["Trainer"] = None
@@ -173,24 +231,34 @@ class CheckpointManager(CheckpointProvider):
 
     # ---- saving ---------------------------------------------------------------------------------------
     def save(self, trainer: "Trainer", reason: str, asynchronous: Optional[bool] = None) -> Path:
-        """Save now (collective) and apply the retention policy; `asynchronous` overrides `async_save`."""
+        """Save now (collective) and apply the retention policy; `asynchronous` overrides `async_save`.
+        An asynchronous save is committed and pruned later (`_finish_pending`), a synchronous one before this
+        returns."""
         assert self.directory is not None, "the manager saves once fit() has started"
         if self._pending is not None:
             self._finish_pending()
+        asynchronous = self.async_save if asynchronous is None else asynchronous
+        if asynchronous and dist.is_available() and dist.is_initialized() and self._async_group is None:
+            # Without a group of its own the writing thread would issue collectives on the training group,
+            # interleaved with the loop's: never (on_fit_start makes the group when async_save is set).
+            asynchronous = False
         path = self.directory / step_dirname(trainer.step)
         metrics = self._metrics(trainer)
+        start = time.perf_counter()
         # Stays set if the save raises: the failure handler must not try to save again.
         self._saving = True
-        result = save_checkpoint(trainer, path, reason=reason, metrics=metrics,
-                                 asynchronous=self.async_save if asynchronous is None else asynchronous,
+        result = save_checkpoint(trainer, path, reason=reason, metrics=metrics, asynchronous=asynchronous,
                                  process_group=self._async_group)
         self._saving = False
         self.last_saved_step = trainer.step
         self._last_save_time = time.monotonic()
         if isinstance(result, PendingCheckpoint):
             self._pending = result
+            self.saves.append(SaveRecord(trainer.step, reason, True, time.perf_counter() - start))
         else:
-            self._after_commit(trainer, path, reason)
+            record = SaveRecord(trainer.step, reason, False, 0.0)
+            self.saves.append(record)
+            self._after_commit(trainer, path, record, start)
         return path
 
     def _metrics(self, trainer: "Trainer") -> dict[str, float]:
@@ -200,27 +268,43 @@ class CheckpointManager(CheckpointProvider):
         return {key: float(value) for key, value in logged.items()
                 if key != "step" and isinstance(value, (int, float))}
 
-    def _after_commit(self, trainer: "Trainer", path: Path, reason: str) -> None:
+    def _after_commit(self, trainer: "Trainer", path: Path, record: SaveRecord, start: Optional[float] = None) -> None:
+        """Rank 0, once the checkpoint is committed: validation metrics that came after an asynchronous save
+        go into its manifest, the retention policy runs, one line says what the save cost. `start`: when the
+        synchronous save call began (its stall ends after the pruning)."""
+        late = self._late_metrics.pop(record.step, None)
+        deleted: list[Path] = []
+        if trainer.is_global_zero:
+            if late and path.is_dir():
+                update_metrics(path, late)
+            deleted = self.retention.apply(self.directory)  # type: ignore[arg-type]
+        if start is not None:
+            record.call_s = time.perf_counter() - start
         if not trainer.is_global_zero:
             return
-        log.info(f"checkpoint saved: {path} ({reason})")
-        for deleted in self.retention.apply(self.directory):  # type: ignore[arg-type]
-            log.info(f"checkpoint removed by the retention policy: {deleted}")
+        if record.asynchronous:
+            cost = (f"the loop stalled {record.stall_s:.2f} s ({record.call_s:.2f} s copying the state to host memory, "
+                    f"{record.wait_s:.2f} s waiting for the write); written in the background in {record.write_s:.2f} s")
+        else:
+            cost = f"the loop stalled {record.stall_s:.2f} s"
+        log.info(f"checkpoint saved: {path} ({record.reason}, {'asynchronous' if record.asynchronous else 'synchronous'}): "
+                 f"{cost}")
+        for path_deleted in deleted:
+            log.info(f"checkpoint removed by the retention policy: {path_deleted}")
 
     def _finish_pending(self) -> None:
-        """Wait for the in-flight asynchronous save on every rank (collective)."""
+        """Wait for the in-flight asynchronous save on every rank and agree on its outcome (collective);
+        the wait counts as that save's stall."""
         pending, self._pending = self._pending, None
         assert pending is not None and self._trainer is not None
-        error: Optional[BaseException] = None
+        record = next(r for r in reversed(self.saves) if r.step == pending.step and r.asynchronous)
+        start = time.perf_counter()
         try:
-            with self._trainer.untimed():  # waiting for a checkpoint is not training time
-                pending.wait()
-        except CheckpointError as failure:
-            error = failure
-        failures = self._trainer.strategy.all_gather_object(None if error is None else str(error))
-        if any(failures):
-            raise CheckpointError(next(f for f in failures if f))
-        self._after_commit(self._trainer, pending.path, "asynchronous")
+            finish_checkpoint(self._trainer, pending)
+        finally:
+            record.wait_s += time.perf_counter() - start
+            record.write_s = pending.write_s
+        self._after_commit(self._trainer, pending.path, record)
 
     # ---- hooks ----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: "Trainer") -> None:
@@ -230,16 +314,20 @@ class CheckpointManager(CheckpointProvider):
             directory.mkdir(parents=True, exist_ok=True)
             for leftover in remove_partial_saves(directory):
                 log.warning(f"removed an incomplete save (a process stopped while writing it): {leftover}")
+        if dist.is_available() and dist.is_initialized() and self.async_save:
+            # A dedicated gloo group for the writing thread's collectives (DCP's plan and its completion), so
+            # that they never interleave with the loop's on the training group, of any size (new_group is
+            # collective: every rank is here).
+            self._async_group = dist.new_group(backend="gloo")
         if _distributed():
-            # Dedicated gloo groups, so that neither a background save nor the failure rendezvous shares
-            # a communicator with the training collectives (new_group is collective: every rank is here).
-            if self.async_save:
-                self._async_group = dist.new_group(backend="gloo")
+            # The failure rendezvous and the snapshots' bytes get dedicated gloo groups too.
             if self.save_on_exception:
                 self._agreement_group = dist.new_group(backend="gloo")
             if self.in_memory_every is not None:  # the snapshots' bytes travel over gloo whatever the training group
                 self._snapshot_group = dist.new_group(backend="gloo")
         self.snapshot_stalls = []
+        self.saves = []
+        self._late_metrics = {}
         self._recording_progress = trainer.is_global_zero and recovery.under_restarting_agent()
         self._last_save_time = time.monotonic()
         self._saving = False
@@ -302,11 +390,14 @@ class CheckpointManager(CheckpointProvider):
         # The validation of a checkpoint's step is part of its record: on disk now, so a resume (which does
         # not validate that step again) finds it.
         trainer.flush_loggers()
-        if self._pending is not None and not self._pending.done():
-            return  # recorded when it commits: the manifest is written from the metrics at save time
         path = self.directory / step_dirname(trainer.step)
         metrics = {key: float(value) for key, value in trainer.logged_metrics.items()
                    if key.startswith("val_") and isinstance(value, (int, float))}
+        if self._pending is not None and self._pending.step == trainer.step:
+            # not committed yet (perhaps it is, but until _finish_pending the commit belongs to the writing
+            # thread): added to its manifest by _after_commit, before its retention pass
+            self._late_metrics[trainer.step] = metrics
+            return
         if metrics and path.is_dir():
             update_metrics(path, metrics)
             self.retention.apply(self.directory)
@@ -323,9 +414,29 @@ class CheckpointManager(CheckpointProvider):
                 stalls = sorted(self.snapshot_stalls)
                 log.info(f"in-memory snapshots: {len(stalls)}, median stall {stalls[len(stalls) // 2]:.3f} s "
                          f"(rank 0)")
+        trainer.checkpoint_figures = save_figures(self.saves, self.snapshot_stalls)
 
     def on_exception(self, trainer: "Trainer", exception: BaseException) -> None:
-        self._pending = None
+        pending, self._pending = self._pending, None
+        shutting_down = _distributed() and trainer.preemption.received is not None
+        if pending is not None and not isinstance(exception, KeyboardInterrupt) and not shutting_down:
+            # Let a write in flight end (committed, or failed when a peer is gone) before the exception save
+            # and the teardown; bounded, as a peer may hang. A timeout leaves it uncommitted, never half-committed.
+            # (Not when the launcher is stopping the workers: they leave quickly, the write stays uncommitted.)
+            try:
+                pending.wait(timeout=None if not _distributed() else self.exception_timeout_s)
+            except CheckpointError as error:
+                if pending.step == self.last_saved_step:
+                    self.last_saved_step = None  # not saved after all: the exception save below may write it
+                if trainer.is_global_zero:
+                    log.warning(f"the asynchronous save of step {pending.step} failed: {error}")
+            except TimeoutError as error:
+                # still writing into its .partial directory: no save of the same step may write there now
+                if trainer.is_global_zero:
+                    log.warning(f"{error}; it stays uncommitted")
+            else:
+                if trainer.is_global_zero:
+                    log.info(f"checkpoint saved: {pending.path} (asynchronous, completed after the failure)")
         if (not self.save_on_exception or self._saving or isinstance(exception, (CheckpointError, KeyboardInterrupt))
                 or self.directory is None or self.last_saved_step == trainer.step):
             return
@@ -382,8 +493,12 @@ class CheckpointManagerConfig:
     save_on_exception: bool = True
     # Multi-process runs: how long a failing rank waits for the others before giving up on saving.
     exception_timeout_s: float = 10.0
-    # Write checkpoints in a background thread (host copy first; the run continues while it writes).
-    async_save: bool = False
+    # Write periodic and timed checkpoints in a background thread: the state is copied to host memory (the
+    # loop waits for that copy only), then written while training goes on, and committed by rank 0 once every
+    # rank has written it. The end, preemption and exception saves are synchronous whatever this says.
+    # Costs a second copy of this rank's state in host memory while a save is in flight. false: every save
+    # holds the loop until it is committed.
+    async_save: bool = True
     # Snapshot the whole state into host shared memory every N steps, each rank's shard replicated on a
     # peer rank (another node when there are several); a restarted job resumes from it without reading
     # the disk when it is at least as new as the newest checkpoint (null: no snapshots).

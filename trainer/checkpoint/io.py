@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,44 +116,80 @@ def collect_state(trainer: "Trainer") -> dict[str, Any]:
 class PendingCheckpoint:
     """An asynchronous save in flight: this rank's shards are being written in a background thread.
 
-    Rank 0 commits the checkpoint (manifest, rename) as soon as its write finishes, which, DCP being
-    collective, is after every rank's. `wait()` blocks until this rank's part (and on rank 0 the commit)
-    is done and raises if the save failed.
+    The state was copied to host memory before this object existed, so training may change its tensors.
+    Rank 0 commits the checkpoint (manifest, rename) from the completion of DCP's write, which is collective:
+    DCP's coordinator writes the metadata and completes only once every rank reported its shards written
+    (and fsynced). A rank killed while writing therefore leaves the `.partial` directory uncommitted, which
+    discovery ignores. `wait()` blocks until this rank's part (and on rank 0 the commit) is done and raises
+    if the save failed; `finish_checkpoint` is its collective form.
     """
 
     def __init__(self, future: Future, partial: Path, path: Path, manifest: dict[str, Any],
-                 config_yaml: Optional[str], committer: bool) -> None:
+                 config_yaml: Optional[str], committer: bool, needed: int = 0) -> None:
         self.path = path
+        self.partial = partial
         self.step = int(manifest["step"])
+        self.needed = needed  # the expected size in bytes (a no-space failure reports it)
+        # Seconds from the hand-over to the background thread to the end of this rank's write (on rank 0,
+        # of the commit too); None while in flight.
+        self.write_s: Optional[float] = None
+        self._submitted = time.perf_counter()
         self._future = future
         self._committer = committer
-        self._committed = threading.Event()
+        self._finished = threading.Event()
         self._error: Optional[BaseException] = None
-        if committer:
-            future.add_done_callback(lambda done: self._commit(done, partial, manifest, config_yaml))
+        # Runs in the writing thread when the write ends (at once when it has already ended).
+        future.add_done_callback(lambda done: self._written(done, partial, manifest, config_yaml))
 
-    def _commit(self, future: Future, partial: Path, manifest: dict[str, Any], config_yaml: Optional[str]) -> None:
+    def _written(self, future: Future, partial: Path, manifest: dict[str, Any], config_yaml: Optional[str]) -> None:
         try:
-            future.result()
-            commit(partial, self.path, manifest, config_yaml)
+            if self._committer:
+                future.result()  # raises when any rank's write failed: then nothing is committed
+                commit(partial, self.path, manifest, config_yaml)
         except BaseException as error:  # noqa: BLE001 - reported by wait() in the main thread
             self._error = error
         finally:
-            self._committed.set()
+            self.write_s = time.perf_counter() - self._submitted
+            self._finished.set()
 
     def done(self) -> bool:
-        return self._future.done() and (not self._committer or self._committed.is_set())
+        return self._finished.is_set()
 
-    def wait(self) -> Path:
+    def wait(self, timeout: Optional[float] = None) -> Path:
+        """Block until this rank's write (rank 0: and the commit) ended; CheckpointError if the save failed,
+        TimeoutError after `timeout` seconds."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the asynchronous save of {self.path} did not finish within {timeout} s")
         try:
             self._future.result()
         except BaseException as error:
             raise CheckpointError(f"asynchronous save of {self.path} failed: {error}") from error
-        if self._committer:
-            self._committed.wait()
-            if self._error is not None:
-                raise CheckpointError(f"committing {self.path} failed: {self._error}") from self._error
+        if self._error is not None:
+            raise CheckpointError(f"committing {self.path} failed: {self._error}") from self._error
         return self.path
+
+
+def finish_checkpoint(trainer: "Trainer", pending: PendingCheckpoint) -> Path:
+    """Wait for an asynchronous save on every rank and agree on its outcome (collective): the disk filling up
+    during the background write is reported as a synchronous save reports it (the partial save removed by rank
+    0, CheckpointNoSpaceError naming the disk and the kept checkpoint); any other failure is a CheckpointError
+    on every rank. Its time is not training time."""
+    error: Optional[CheckpointError] = None
+    with trainer.untimed():
+        try:
+            pending.wait()
+        except CheckpointError as failure:
+            error = failure
+    reports = trainer.strategy.all_gather_object(
+        None if error is None else (str(error), space.is_no_space(error)))
+    if any(report is not None and report[1] for report in reports):
+        raise _no_space(trainer, pending.path, pending.partial, pending.needed) from None
+    if error is not None:
+        raise error
+    for rank, report in enumerate(reports):
+        if report is not None:
+            raise CheckpointError(f"rank {rank}: {report[0]}")
+    return pending.path
 
 
 def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manual",
@@ -163,8 +200,10 @@ def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manu
     Every rank writes its shards into a hidden `.partial` sibling; once all have finished, rank 0 writes
     the manifest and renames the directory to `path`, so `path` only ever exists complete. With
     `asynchronous`, the state is copied to host memory, written in a background thread over
-    `process_group` (a gloo group other than the training one), and a PendingCheckpoint is returned.
-    Its time is not training time: the run's tokens/s leaves it out (`Trainer.untimed`).
+    `process_group` (a gloo group other than the training one: the thread's collectives must not
+    interleave with the loop's), and a PendingCheckpoint is returned, committed by rank 0 once every rank
+    has written (`finish_checkpoint` waits for it). Its time is not training time: the run's tokens/s
+    leaves it out (`Trainer.untimed`).
     """
     with trainer.untimed():
         return _save_checkpoint(trainer, Path(path), reason, metrics, asynchronous, process_group)
@@ -196,7 +235,7 @@ def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optio
             response = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
                                       no_dist=no_dist)
         future = getattr(response, "upload_completion", response)
-        return PendingCheckpoint(future, partial, path, manifest, config_yaml, strategy.is_global_zero)
+        return PendingCheckpoint(future, partial, path, manifest, config_yaml, strategy.is_global_zero, needed)
     try:
         with dcp_call() as no_dist:
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
