@@ -544,6 +544,17 @@ def test_manager_saves_on_time_and_steps_and_prunes(tmp_path: Path, monkeypatch:
     saved = [int(line.split("step_")[1][:8]) for line in caplog.messages if line.startswith("checkpoint saved")]
     removed = [int(line.split("step_")[1][:8]) for line in caplog.messages if "retention policy" in line]
     assert saved == [3, 5, 8, 10, 12] and sorted(removed) == [5, 8]
+    # periodic and timed saves are asynchronous (the default), the end save synchronous; one line per save
+    # says what it cost the loop, and summary.json gets every save's figures
+    kinds = [re.search(r"\((\w+), (\w+)\): the loop stalled \d+\.\d\d s", line).groups()
+             for line in caplog.messages if line.startswith("checkpoint saved")]
+    assert kinds == [("timed", "asynchronous"), ("periodic", "asynchronous"), ("timed", "asynchronous"),
+                     ("periodic", "asynchronous"), ("end", "synchronous")]
+    figures = trainer.summary(0.0)["checkpoints"]
+    assert [(s["step"], s["reason"], s["asynchronous"]) for s in figures["saves"]] == [
+        (3, "timed", True), (5, "periodic", True), (8, "timed", True), (10, "periodic", True), (12, "end", False)]
+    assert all(s["write_s"] is not None for s in figures["saves"] if s["asynchronous"])
+    assert figures["asynchronous"]["saves"] == 4 and figures["synchronous"]["saves"] == 1
     manifests = {int(p.name[5:]): json.loads((p / "checkpoint.json").read_text())
                  for p in complete_checkpoints(tmp_path / "checkpoints")}
     # kept: the last two (10, 12), the worst validation loss (mode=max: step 3, validated after its

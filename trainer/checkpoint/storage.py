@@ -23,6 +23,11 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA_FILE = ".metadata"
+# DCP's notice that it saves or loads in one process, which is what is meant without a process group. Filtered
+# for the whole process (not only inside `dcp_call`): an asynchronous save emits it from its writing thread,
+# after the call has returned.
+SINGLE_PROCESS_NOTICE = "torch.distributed is (disabled|unavailable)"
+warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE)
 
 # (module, name) pairs DCP's metadata pickle refers to; a dtype is allowed by value, below.
 _ALLOWED_GLOBALS = {
@@ -106,5 +111,5 @@ def dcp_call() -> Iterator[bool]:
     """Around a DCP save/load: yields its `no_dist` (True without a process group, where DCP warns that
     it assumes one process, which is what is meant: the warning is silenced)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE)
         yield not (dist.is_available() and dist.is_initialized())
