@@ -305,8 +305,8 @@ def plan_of(command: Command, quick_start: bool = False) -> Plan:
             return Plan("in_process", ["trainer"], args, kind="plan", notes=notes)
         if "mode=check" in args:  # the launcher's workers measure their groups, nothing trains: a real process
             world = int(value_of(args, "trainer.devices") or 1)
-            return Plan("subprocess", [sys.executable, "-m", "trainer"], [*args, "check.size_mb=1"], kind="check",
-                        world=world, notes=notes)
+            return Plan("subprocess", [sys.executable, "-m", "trainer"], [*args, "check.size_mb=1", "check.iters=2"],
+                        kind="check", world=world, notes=notes)
         args = args + tiny(args)
         if "-m" in args:
             return Plan("in_process", ["trainer"], args, kind="sweep", notes=notes)
