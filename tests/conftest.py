@@ -13,6 +13,9 @@ import sys
 # write the cache on first import and read it after.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+# Calibrated profiles (trainer/planner/profiles.py: plan.calibrate runs cache theirs, strategy=auto reads them)
+# go to a directory of the session's own, never the user's ~/.cache/trainer.
+os.environ["TRAINER_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trainer-test-cache-{os.getpid()}")
 
 from pathlib import Path  # noqa: E402
 from typing import Iterator  # noqa: E402
