@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -278,7 +279,8 @@ def _impossible(request: Request, inv: ModelInventory, base: Layout, hardware: H
         _, short = fits(evaluate(inv, smallest, hardware, options), hardware, options)
         what = short[0] if short else "it does not fit"
         constraint = f"{request.pin_text()}: no layout keeping them fits; the smallest ({describe(smallest)}) {what}"
-    nearest = _nearest(rank_candidates(inv, base, hardware, options, tp_sizes, space), pins)
+    fitting = sorted(rank_candidates(inv, base, hardware, options, tp_sizes, space), key=_run_preference)
+    nearest = _nearest(fitting, pins)
     suggestion = (f"nearest layout that fits: {' '.join(layout_overrides(nearest))} ({describe(nearest)})"
                   if nearest is not None else "no layout of this world size fits at all")
     return ConfigError("strategy=auto", f"{constraint}; {suggestion}")
@@ -308,7 +310,23 @@ def ranked_layouts(request: Request, hardware: HardwareConfig, options: PlanOpti
     tp_sizes = family_tp_sizes(planned)
     space = _space(inv, base, hardware, tp_sizes, request)
     kept = [layout for layout in space if _matches(layout, request.pins)]
-    return inv, base, tp_sizes, space, rank_candidates(inv, base, hardware, options, tp_sizes, kept)
+    ranked = rank_candidates(inv, base, hardware, options, tp_sizes, kept)
+    return inv, base, tp_sizes, space, sorted(ranked, key=_run_preference)
+
+
+# Among layouts predicted equally fast, the one that recomputes least: the time model charges a policy its
+# recompute FLOPs only, not the checkpointing wrappers' own cost, which is not small on a CPU (measured on
+# 2 gloo processes, tiny model: selective 1.36 s per step vs none 0.81 s, both predicted 0.41 s).
+# plan.search breaks such ties by memory; a run that fits either way wants the speed.
+RECOMPUTE_ORDER = ("none", "attention", "selective", "every_n", "full", "offload")
+TIE = 0.005  # predicted step times within 0.5% are equal
+
+
+def _run_preference(item: tuple[Layout, list[Any]]) -> tuple[int, int, float]:
+    layout, estimates = item
+    step = estimates[0].timing.step_time_s
+    policy = RECOMPUTE_ORDER.index(layout.checkpointing) if layout.checkpointing in RECOMPUTE_ORDER else 0
+    return round(math.log(max(step, 1e-12)) / math.log1p(TIE)), policy, max(e.device["total"] for e in estimates)
 
 
 def choose(request: Request, hardware: HardwareConfig, options: PlanOptions, *, mode: str, trials: int = 0,
@@ -464,8 +482,8 @@ def recorded_choice(run_dir: Optional[Path]) -> Optional[dict[str, Any]]:
 
 
 # Options a rerun may change and still run the recorded layout: they do not enter the choice.
-RERUN_FREE = ("trainer.max_steps", "trainer.max_tokens", "trainer.val_every", "trainer.val_batches", "trainer.log_every",
-              "trainer.save_final", "trainer.preflight", "trainer.hang_", "trainer.straggler_", "resume", "init_from",
+RERUN_FREE = ("trainer.max_steps", "trainer.max_tokens", "trainer.val_every", "trainer.val_batches",
+              "trainer.log_every", "trainer.save_final", "trainer.preflight", "trainer.hang_", "trainer.straggler_", "resume", "init_from",
               "callbacks", "logger", "plan.")
 
 
@@ -481,8 +499,10 @@ def _same_request(request: Request, record: dict[str, Any]) -> bool:
 def reuse(request: Request, record: dict[str, Any], path: Path) -> AutoChoice:
     """The recorded choice of an earlier run, as this run's (no search)."""
     measured = record.get("measured_step_time_s")
+    reason = str(record["reason"]) if record.get("reused_from") else \
+        f"the layout recorded in {path} (no search); it was {record['reason']}"
     return AutoChoice(request=request, layout_overrides=list(record["overrides"]), chosen=str(record["chosen"]),
-                      reason=f"the layout recorded in {path} (no search); it was {record['reason']}",
+                      reason=reason,
                       predicted_step_time_s=float(record["predicted_step_time_s"]),
                       predicted_memory_gb=float(record["predicted_memory_gb"]),
                       capacity_gb=float(record["capacity_gb"]), profile=str(record["profile"]),

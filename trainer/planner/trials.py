@@ -66,8 +66,8 @@ def has_trials(cfg: DictConfig) -> bool:
 def trial_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """The config of one candidate: the run's fixed part with the candidate's layout (`shortened`)."""
     record = cfg.auto
-    return shortened(compose(concrete_overrides(record.base_overrides, overrides, record.after)), int(cfg.plan.trial_warmup),
-                     int(cfg.plan.trial_steps))
+    trial = compose(concrete_overrides(record.base_overrides, overrides, record.after))
+    return shortened(trial, int(cfg.plan.trial_warmup), int(cfg.plan.trial_steps))
 
 
 def shortened(trial: DictConfig, warmup: int, steps: int) -> DictConfig:
