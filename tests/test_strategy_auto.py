@@ -178,6 +178,14 @@ def test_moe_expert_parallel_is_searched_and_pinnable() -> None:
     assert any("ep=4" in layout for layout, _, _ in ranked) and any("ep=2" in layout for layout, _, _ in ranked)
     pinned = _settle([*overrides, "ep=4"])
     assert "ep=4" in pinned.layout_overrides and "ep=4" in pinned.chosen
+    # every layout ranked for the pin keeps it (whatever else varies: cp, flavour, policy)
+    from trainer.planner.estimate import PlanOptions
+
+    request = parse_request(["strategy=auto", *overrides, "ep=4"])
+    cfg = compose([*request.base, "mode=plan"])
+    *_, ranked = auto.ranked_layouts(request, hardware_from_config(cfg), PlanOptions.of(cfg))
+    assert ranked and all(layout.ep == 4 for layout, _ in ranked)
+    assert any(layout.cp == 1 for layout, _ in ranked)
 
 
 def test_a_long_sequence_that_needs_cp_gets_cp() -> None:
@@ -194,7 +202,12 @@ def test_a_long_sequence_that_needs_cp_gets_cp() -> None:
 
 
 def test_profiles_are_cached_per_machine_and_torch_version(tmp_path: Path) -> None:
+    import platform
+
+    import torch
+
     key = machine_key("cpu", 4)
+    assert (key.get("torch"), key.get("processes_per_node"), key.get("host")) == (torch.__version__, 4, platform.node())
     assert load_profile(tmp_path, key) is None
     hardware = HardwareConfig(name="measured", peak_flops_fp32=1.5e10)
     path = store_profile(tmp_path, key, hardware, 0.4, None, "python -m trainer ...")
