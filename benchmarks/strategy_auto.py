@@ -10,8 +10,9 @@ For each configuration (4 processes, one thread each; the default tiny Llama unl
 the planner ranks the layouts that fit on this machine's calibrated profile (trainer/planner/profiles.py; the
 first configuration calibrates this machine once when no profile is cached) exactly as `strategy=auto` does
 (`auto.ranked_layouts`, `auto.choose`). Measured are: every feasible parallel layout (strategy, tp, pp, cp,
-ep, data-parallel flavour, schedule), each at the activation-checkpointing policy and micro-batch the planner
-predicts best for it, plus the top `--trials` predicted layouts whatever they are. Each is trained for
+ep, data-parallel flavour), each at the schedule, activation-checkpointing policy and micro-batch the planner
+predicts best for it (the `--max-layouts` best predicted of them: a measurement costs 5-20 s here), plus the top
+`--trials` predicted layouts whatever they are. Each is trained for
 `--warmup` + `--steps` steps in one torchrun launch of 4 processes (`trainer.planner.trials.measure`: the
 median over the timed steps of the slowest rank's step time), in the order A B C ... then ... C B A (two
 rounds; the figure is their mean), so that a drift of the shared machine's load touches every layout alike.
@@ -21,7 +22,7 @@ predicted (what trainer/planner/trials.py does in a run, here from the same meas
 its measured step time over the fastest measured layout's (target: within 10%). The last line is one JSON
 object.
 
-    python benchmarks/strategy_auto.py [--only tiny,budget,moe,long] [--steps 3] [--warmup 2] [--trials 3]
+    python benchmarks/strategy_auto.py [--only tiny,budget,moe,long] [--steps 3] [--warmup 1] [--trials 3] [--max-layouts 16]
 """
 
 from __future__ import annotations
