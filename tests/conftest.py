@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 # Before anything imports torch: the machines this suite runs on set PYTHONDONTWRITEBYTECODE=1, so every
@@ -19,6 +20,9 @@ sys.dont_write_bytecode = False
 # session starts inherit it) changes no result. Measured beside other processes using both cores:
 # tests/test_models.py took 14.7 and 14.9 s of user CPU with it, 19.5 and 19.1 s without.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Calibrated profiles (trainer/planner/profiles.py: plan.calibrate runs cache theirs, strategy=auto reads them)
+# go to a directory of the session's own, never the user's ~/.cache/trainer.
+os.environ["TRAINER_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trainer-test-cache-{os.getpid()}")
 
 from pathlib import Path  # noqa: E402
 from typing import Iterator  # noqa: E402
@@ -94,3 +98,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     POOL.stop()  # a session that ended early (-x, an interrupt) leaves no launch running
     remove_pool()
+    shutil.rmtree(os.environ["TRAINER_CACHE_DIR"], ignore_errors=True)
