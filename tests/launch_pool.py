@@ -82,8 +82,10 @@ class LaunchPool:
         self._process: subprocess.Popen[str] | None = None  # the launch running now
         self._stopped = False
         self.jobs: dict[str, Job] = {}
-        # (what ran, seconds from its start to its end) per launch and job: the session's summary prints them
-        self.timings: list[tuple[str, float]] = []
+        # (what ran, its start in seconds after this pool was made, its seconds) per launch and job: the
+        # session's summary prints them (what overlapped what)
+        self.timings: list[tuple[str, float, float]] = []
+        self.created = time.perf_counter()
         self.run_timings: list[tuple[str, float]] = []  # the same per run of a launch (the harness's seconds.txt)
 
     def directory(self, module: str) -> Path:
@@ -153,7 +155,7 @@ class LaunchPool:
     def _time_job(self, job: Job) -> None:
         assert job.process is not None
         job.process.wait()
-        self.timings.append((f"job {job.module}", time.perf_counter() - job.started))
+        self.timings.append((f"job {job.module}", job.started - self.created, time.perf_counter() - job.started))
 
     def start(self, modules: set[str]) -> None:
         """Start the jobs of `modules`, and launch, in a background thread and in `ensure`'s order, every run
@@ -240,7 +242,7 @@ class LaunchPool:
         try:
             self._run_pending(world, stage, pending)
         finally:
-            self.timings.append((label, time.perf_counter() - started))
+            self.timings.append((label, started - self.created, time.perf_counter() - started))
             for batch, run in pending:
                 seconds = Path(run["dir"]) / "seconds.txt"
                 if seconds.exists():

@@ -17,6 +17,7 @@ from trainer.config import compose, validate
 from trainer.planner.calibrate import CALIBRATION_FILE, hardware_yaml, report, run_config
 from trainer.planner.calibration_run import calibration_worker
 from trainer.planner.hardware import HardwareConfig
+from trainer.planner.profiles import load_profile, machine_key
 
 REPO = Path(__file__).resolve().parent.parent
 # A 2-layer Llama on short sequences, 2 timed steps, a small bandwidth message, a fixed MFU reference (no
@@ -41,7 +42,8 @@ def _check(result: dict, out: str) -> None:
 def test_single_process_calibration_reports_both_columns_and_saves_the_profile(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "cpu_measured.yaml"
-    overrides = ["mode=plan", "plan.calibrate=true", *TINY, f"plan.calibrate_save={saved}"]
+    overrides = ["mode=plan", "plan.calibrate=true", *TINY, f"plan.calibrate_save={saved}",
+                 f"plan.profile_dir={tmp_path / 'profiles'}"]
     cfg = compose(overrides)
     validate(cfg)
     calibration_worker(run_config(cfg), tmp_path)  # what `python -m trainer ...` runs on its one process
@@ -50,6 +52,9 @@ def test_single_process_calibration_reports_both_columns_and_saves_the_profile(
     assert json.loads((tmp_path / CALIBRATION_FILE).read_text())["measured"]["step_time_s"] > 0
     profile = {k: v for k, v in yaml.safe_load(saved.read_text()).items() if k != "defaults"}
     assert HardwareConfig(**profile).peak_flops_fp32 > 0
+    # and cached as this machine's profile for strategy=auto (trainer/planner/profiles.py)
+    cached = load_profile(tmp_path / "profiles", machine_key("cpu", 1))
+    assert cached is not None and cached.hardware.peak_flops_fp32 == result["hardware"]["peak_flops_fp32"]
 
 
 def test_a_saved_profile_reads_back_as_numbers_in_any_yaml_reader() -> None:

@@ -115,6 +115,11 @@ ELSEWHERE = {
     "python -m trainer model=deepseek_v3_tiny strategy=ddp cp=2 trainer.devices=2":
         ("tests/test_deepseek_v3.py::test_data_parallel_strategies_reproduce_the_single_process_run",
          ['"cp2_ring": ["strategy=ddp", "cp=2"]', '"trainer.devices=2"']),
+    # strategy=auto is settled by the CLI before Hydra composes (the harness composes overrides itself): that
+    # test's pool job runs the command as a real `python -m trainer`, then again in its run directory
+    "python -m trainer strategy=auto trainer.devices=2 plan.trials=2":
+        ("tests/test_strategy_auto.py::test_auto_run_with_trials_then_rerun_reuses_the_layout",
+         ['"strategy=auto", "trainer.devices=2", "plan.trials=2"']),
     "python -m trainer recipe=tiny_3d_cpu":
         ("tests/test_recipes.py::test_each_recipe_shrunk_to_a_tiny_model_trains_2_steps_on_2_cpu_processes",
          ['"tiny_3d_cpu"']),
@@ -305,8 +310,8 @@ def plan_of(command: Command, quick_start: bool = False) -> Plan:
             return Plan("in_process", ["trainer"], args, kind="plan", notes=notes)
         if "mode=check" in args:  # the launcher's workers measure their groups, nothing trains: a real process
             world = int(value_of(args, "trainer.devices") or 1)
-            return Plan("subprocess", [sys.executable, "-m", "trainer"], [*args, "check.size_mb=1"], kind="check",
-                        world=world, notes=notes)
+            return Plan("subprocess", [sys.executable, "-m", "trainer"], [*args, "check.size_mb=1", "check.iters=2"],
+                        kind="check", world=world, notes=notes)
         args = args + tiny(args)
         if "-m" in args:
             return Plan("in_process", ["trainer"], args, kind="sweep", notes=notes)

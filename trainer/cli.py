@@ -97,6 +97,37 @@ def check_run_dir(overrides: list[str]) -> None:
         _fail(f"{key}: cannot create the run directory {template} ({error.strerror or error} in {existing})")
 
 
+def settle_auto(args: list[str]) -> list[str]:
+    """`strategy=auto` (trainer/planner/auto.py): the concrete command line of the layout chosen for this
+    machine (or, under mode=plan, for the `hardware` profile), which Hydra then composes as if the user had
+    written it; the choice waits in `auto.PENDING` for `run_job` to log and record. Any other command line
+    comes back as it is. An impossible pin or a bad value is one line and exit status 2."""
+    if not any(arg.lstrip("+") == "strategy=auto" for arg in args):
+        return args
+    from trainer.planner import auto
+
+    value = _override_value(args, "hydra.run.dir")
+    run_dir = Path(value).expanduser() if value is not None and "${" not in value else None
+    try:
+        choice = auto.settle(args, run_dir, run_on_workers=on_workers)
+    except DoesNotFitError as error:
+        if _full_errors():
+            raise
+        _fail(str(error), EXIT_DOES_NOT_FIT)
+    except ConfigError as error:
+        if _full_errors():
+            raise
+        _fail(str(error))
+    except Exception as error:  # noqa: BLE001 - composing the fixed part raises Hydra's many types
+        if _full_errors():
+            raise
+        _fail(describe_compose_error(error, args))
+    auto.PENDING = choice
+    concrete = choice.command_line()
+    sys.argv = [sys.argv[0], *concrete]  # what Hydra's app composes
+    return concrete
+
+
 def check_memory(cfg: DictConfig) -> None:
     """Raise DoesNotFitError when the planner's estimate does not fit this machine (trainer.preflight)."""
     if cfg.mode != "train" or not cfg.trainer.preflight:
@@ -130,10 +161,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Validate, then train here or in launched workers: the run's summary, None if it was skipped."""
     from trainer.launch import (adopt_slurm_environment, configure_worker_logging, distributed_environment,
                                 launch, needs_launch)
-    from trainer.run import train
     from trainer.sweep import read_summary, unfit_reason, write_status
 
     validate(cfg)  # again: multirun jobs skip the preflight
+    work = record_auto_choice(cfg)
     if cfg.mode == "plan" and cfg.plan.calibrate:  # a few steps of the config on this machine, then the comparison
         from trainer.planner.calibrate import report, run_config
         from trainer.planner.calibration_run import calibration_worker
@@ -160,14 +191,37 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict | None:
         on_workers(cfg, run_dir, check)
         return None
     if needs_launch(cfg):
-        launch(cfg, run_dir, train)
+        launch(cfg, run_dir, work)
         return read_summary(run_dir)
     if distributed_environment() == "slurm":
         adopt_slurm_environment()
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # under torchrun/srun every rank runs this app: only rank 0 speaks
         configure_worker_logging(rank, run_dir)
-    return train(cfg, run_dir)
+    return work(cfg, run_dir)
+
+
+def record_auto_choice(cfg: DictConfig) -> Callable[[DictConfig, Path], Any]:
+    """What a worker runs: `trainer.run.train`, or with `strategy=auto plan.trials=K` the trials first
+    (trainer/planner/trials.py). A `strategy=auto` choice settled by `main` goes into `cfg.auto` (config.yaml
+    records it) and into the log."""
+    from trainer.planner import auto
+
+    choice, auto.PENDING = auto.PENDING, None  # this job's: a later job of the process settles its own
+    if choice is not None and cfg.get("auto", None) is None:
+        cfg.auto = choice.record()
+        if int(os.environ.get("RANK", "0")) == 0 and cfg.mode == "train":
+            for line in choice.lines():
+                log.info(line)
+    from trainer.planner.trials import has_trials
+
+    if cfg.mode == "train" and has_trials(cfg):
+        from trainer.planner.trials import train_auto
+
+        return train_auto
+    from trainer.run import train
+
+    return train
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -246,13 +300,20 @@ def hydra_app(cfg: DictConfig) -> float | None:
 def main() -> None:
     register_configs()
     args = sys.argv[1:]
+    settled = sys.modules.get("trainer.planner.auto")
+    if settled is not None:  # an earlier command of this process (tests run main in-process) chose its own
+        settled.PENDING = None  # type: ignore[attr-defined]
     with contextlib.ExitStack() as held:  # the run directory's lock, until the job ends
         # Flags (--multirun, --help, --cfg, -cn...) change what Hydra composes: leave those to Hydra.
         if not any(arg.startswith("-") for arg in args):
+            args = settle_auto(args)  # strategy=auto: the concrete layout's command line
             cfg = preflight(args)
             if cfg.mode == "plan" and not cfg.plan.calibrate:  # a report, nothing runs: no run directory, no Hydra app
+                from trainer.planner import auto
                 from trainer.planner.report import run as run_plan
 
+                if auto.PENDING is not None:
+                    print("\n".join(auto.PENDING.lines()) + "\n")
                 sys.exit(run_plan(cfg, args))
             check_run_dir(args)
             try:

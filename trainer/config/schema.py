@@ -160,6 +160,17 @@ class PlanConfig:
     # Also write the calibrated profile as a hardware YAML file here (in conf/hardware/NAME.yaml it is
     # `hardware=NAME`; null: not written).
     calibrate_save: Optional[str] = None
+    # strategy=auto (trainer/planner/auto.py): measure the K best predicted layouts for trial_steps steps each
+    # (after trial_warmup) on the run's own processes and run the fastest measured (0: run the best predicted).
+    trials: int = 0
+    trial_steps: int = 3
+    trial_warmup: int = 2
+    # strategy=auto on this machine ranks layouts on its calibrated profile (measured once per machine, torch
+    # version and process count by a short calibration run, then cached; a plan.calibrate run also caches
+    # its profile); false: on the `hardware` group's figures with this machine's memory.
+    auto_calibrate: bool = True
+    # Where calibrated profiles are cached (null: $TRAINER_CACHE_DIR/profiles, else ~/.cache/trainer/profiles).
+    profile_dir: Optional[str] = None
 
 
 @dataclass
@@ -218,3 +229,7 @@ class Config:
     # Start a new run (step 0, fresh optimizer) from these weights: a checkpoint or a Hugging Face Llama
     # directory (config.json + *.safetensors); null: initialize from the seed.
     init_from: Optional[str] = None
+    # What `strategy=auto` chose (written by the run, not set by hand: the concrete layout's overrides, the
+    # runner-up, the reason, predicted and measured step times, the profile). A later run of the same command
+    # in the same run directory reads it from config.yaml and runs that layout without searching.
+    auto: Optional[Any] = None

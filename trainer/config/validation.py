@@ -202,6 +202,10 @@ def _validate_plan(cfg: DictConfig) -> None:
     _require(p.calibrate_warmup >= 2, "plan.calibrate_warmup",
              f"must be >= 2 (the second step reaches the peak memory), got {p.calibrate_warmup}")
     _require(p.calibrate_message_mb > 0, "plan.calibrate_message_mb", f"must be > 0, got {p.calibrate_message_mb}")
+    _require(p.trials >= 0, "plan.trials", f"must be >= 0 (0: run the best predicted layout), got {p.trials}")
+    _require(p.trial_steps >= 1, "plan.trial_steps", f"must be >= 1, got {p.trial_steps}")
+    _require(p.trial_warmup >= 1, "plan.trial_warmup", f"must be >= 1 (the first step creates the optimizer "
+                                                       f"states), got {p.trial_warmup}")
     _require(hw.device_type in ("cuda", "cpu"), "hardware.device_type", f"must be cuda or cpu, got {hw.device_type}")
     for key in ("memory_gb", "devices_per_node", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps",
                 "memory_bandwidth_gbps", "peak_flops_bf16", "peak_flops_fp16", "peak_flops_fp32"):

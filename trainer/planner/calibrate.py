@@ -26,6 +26,7 @@ from trainer.config import validate
 from trainer.planner.calibration_run import MEASURED_FILE, step_time
 from trainer.planner.core import hardware_from_config, plan
 from trainer.planner.hardware import HardwareConfig
+from trainer.planner.profiles import cache_directory, machine_key, store_profile
 
 CALIBRATION_FILE = "calibration.json"
 MB = 1e6
@@ -224,6 +225,12 @@ def report(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> dict[str, An
     path = run_dir / CALIBRATION_FILE
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"calibration: {path}")
+    # this machine's profile, cached for strategy=auto (trainer/planner/profiles.py): it calibrates only once
+    cached = store_profile(cache_directory(cfg.plan.profile_dir),
+                           machine_key(record["device"], int(cfg.trainer.devices)), HardwareConfig(**result["hardware"]),
+                           result["matmul_efficiency"], result["attention_efficiency"],
+                           "python -m trainer " + " ".join(shlex.quote(o) for o in overrides))
+    print(f"calibrated profile cached for strategy=auto: {cached}")
     if cfg.plan.calibrate_save:
         target = Path(str(cfg.plan.calibrate_save))
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -170,10 +170,12 @@ def describe(layout: Layout) -> str:
 
 
 def rank_candidates(inv: ModelInventory, base: Layout, hardware: HardwareConfig, options: PlanOptions,
-                    tp_sizes: Sequence[int]) -> list[tuple[Layout, list[RankEstimate]]]:
-    """Every candidate that fits, best estimated throughput first."""
+                    tp_sizes: Sequence[int], layouts: Optional[Iterable[Layout]] = None
+                    ) -> list[tuple[Layout, list[RankEstimate]]]:
+    """Every candidate that fits, best estimated throughput first; `layouts`: a part of the space to rank
+    (`strategy=auto` ranks the candidates that keep the user's pinned values), default all of it."""
     fitting = []
-    for layout in candidate_layouts(inv, base, hardware, tp_sizes):
+    for layout in candidate_layouts(inv, base, hardware, tp_sizes) if layouts is None else layouts:
         estimates = evaluate(inv, layout, hardware, options)
         ok, _ = fits(estimates, hardware, options)
         if ok:
