@@ -131,6 +131,19 @@ def test_diagnosis_names_the_collective_issued_from_autograd_and_the_rank_withou
     assert "rank 1 wrote no report (dead, or stuck without releasing the GIL)" in diagnose(reports, 2, 20.0)
 
 
+def test_diagnosis_reads_past_an_unfinished_collective_of_a_background_write() -> None:
+    """An asynchronous checkpoint's write issued a scatter on its own group (members unknown to the reports)
+    before the frozen rank 1 stopped: rank 0's older pending entry tells nothing, DDP's newer all-reduce
+    does (seen in CI: the run's default asynchronous saves turned the diagnosis into "not in a collective")."""
+    groups = {"1": {"name": "dp_replicate", "ranks": [0, 1]}}
+    background = {**coll(5, "scatter", pg="7", group="group 7", pending=True), "created_ns": 1}
+    reports = {0: report(0, location=AUTOGRAD, groups=groups,
+                         collectives=[coll(29, "broadcast"), background, coll(30, pending=True)])}
+    text = diagnose(reports, 2, 20.0, "run/hang", {1: "its process (pid 812) is stopped"})
+    assert "rank 0 waits in all_reduce #30 of the dp_replicate group for rank 1, which wrote no report" in text, text
+    assert "not in a collective" not in text
+
+
 def test_diagnosis_names_whom_the_ranks_in_an_unfinished_collective_wait_for() -> None:
     groups = {"1": {"name": "dp", "ranks": [0, 1, 2, 3]}}
     # ranks 0, 2 and 3 all issued #9 (so sequence numbers alone name nobody); rank 1 wrote nothing

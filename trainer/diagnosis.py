@@ -12,9 +12,10 @@ Reading rules:
   entered it;
 - a rank not named by those rules whose flight recorder holds a collective that has not completed (a
   DDP bucket all-reduce issued from autograd's hooks, an FSDP reduce-scatter: the Python stack shows the
-  backward, not the collective) waits in the oldest such one, for the members of its group that wrote no
-  report or never issued it (when there is no such member, the entry tells nothing and the rule does not
-  apply);
+  backward, not the collective) waits in the oldest such one that has members of its group that wrote no
+  report or never issued it, for those members (an entry without such members tells nothing, nor does one
+  of a group whose members are unknown, such as an asynchronous checkpoint's background write: the next
+  older entry is read);
 - every rank not named by those rules is "not in a collective", with where its main thread is;
 - ranks that wrote no report are named last, with what rank 0 found out about their process (`absent`:
   stopped, gone, on another host).
@@ -49,10 +50,11 @@ def _has_send(report: dict[str, Any], to: int, step: int, index: int) -> bool:
                for r in report.get("p2p", []))
 
 
-def _pending_collective(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The oldest collective of the rank's flight recorder that has not completed (see the rules above)."""
+def _pending_collectives(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The collectives of the rank's flight recorder that have not completed, oldest first (see the rules
+    above)."""
     pending = [e for e in report.get("collectives", []) if e.get("pending") and not e.get("p2p")]
-    return min(pending, key=lambda e: (e.get("created_ns") or 0, e["seq"])) if pending else None
+    return sorted(pending, key=lambda e: (e.get("created_ns") or 0, e["seq"]))
 
 
 def diagnose(reports: dict[int, dict[str, Any]], world_size: int, timeout_s: float, hang_dir: str = "",
@@ -134,15 +136,17 @@ def diagnose(reports: dict[int, dict[str, Any]], world_size: int, timeout_s: flo
     waiting_in: dict[tuple[str, int, str], list[int]] = {}
     waits_for: dict[tuple[str, int, str], set[int]] = {}
     for rank in sorted(reports):
-        entry = None if rank in named or rank in in_p2p else _pending_collective(reports[rank])
-        if entry is None:
+        if rank in named or rank in in_p2p:
             continue
-        pg = entry["pg"]
-        others = [m for m in members.get(pg, []) if m != rank]
-        behind = [m for m in others if m not in reports
-                  or (last.get(pg, {}).get(m) or {"seq": 0})["seq"] < entry["seq"]]
-        if not behind:
-            continue  # every member issued it: the entry says nothing about where this rank waits
+        for entry in _pending_collectives(reports[rank]):
+            pg = entry["pg"]
+            others = [m for m in members.get(pg, []) if m != rank]
+            behind = [m for m in others if m not in reports
+                      or (last.get(pg, {}).get(m) or {"seq": 0})["seq"] < entry["seq"]]
+            if behind:  # else every member issued it (or the members are unknown): it tells nothing
+                break
+        else:
+            continue
         key = (pg, entry["seq"], entry["op"])
         waiting_in.setdefault(key, []).append(rank)
         waits_for.setdefault(key, set()).update(behind)
