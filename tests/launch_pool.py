@@ -97,6 +97,7 @@ class LaunchPool:
         """Register `runs` (each `{"name", "overrides"}`) for a launch of `world` processes; with
         `count_collectives` each summary gets rank 0's collectives (tests/distributed_harness.py).
         Returns the module's directory."""
+        _check_module_name(module)
         if (stage, world) in self.launched:
             raise RuntimeError(f"{module}: runs added to a launch of {world} processes (stage {stage}) that "
                                "already ran; register them when the module is imported")
@@ -121,6 +122,7 @@ class LaunchPool:
     def add_job(self, module: str, command: list[str]) -> None:
         """Register a command (run in the repository) whose results `module` reads with `job`: started with
         the launches, it runs beside the tests instead of inside the test that needs it."""
+        _check_module_name(module)
         self.jobs[module] = Job(module, command)
 
     def job(self, module: str) -> tuple[int, str]:
@@ -283,6 +285,14 @@ class LaunchPool:
         while done < len(runs) and (Path(runs[done]["dir"]) / "summary.json").exists():
             done += 1
         return output, done
+
+
+def _check_module_name(module: str) -> None:
+    """A module registers under the name of its file without `test_`: the session starts the work of the
+    selected modules by that name (tests/conftest.py), so work under another name waits until a test asks
+    for it (seen: a job named after its file ran on the session's critical path for 110 s)."""
+    if not (REPO / "tests" / f"test_{module}.py").is_file():
+        raise ValueError(f"{module!r} names no test module: register as the file tests/test_NAME.py's NAME")
 
 
 def kill_tree(pid: int) -> None:

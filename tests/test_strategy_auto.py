@@ -29,7 +29,7 @@ from trainer.planner.params import inventory
 from trainer.planner.profiles import load_profile, machine_key, profile_path, store_profile
 from trainer.planner.search import family_tp_sizes, layout_overrides, rank_candidates
 
-MODULE = "test_strategy_auto"
+MODULE = "strategy_auto"  # the pool's name of this module (tests/launch_pool.py)
 # A run of this machine without calibrating (the hardware group's figures): the unit tests rank fast
 NO_CALIBRATION = ["plan.auto_calibrate=false"]
 TINY_RUN = ["trainer.max_steps=4", "trainer.seq_len=64", "trainer.global_batch_size=8", "trainer.val_batches=1",
