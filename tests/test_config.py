@@ -82,6 +82,87 @@ def test_composes_share_the_config_store_and_return_independent_configs() -> Non
     assert second.trainer.max_steps != 7
 
 
+# Override lists whose values `compose` applies to a kept defaults list (trainer/config/compose.py): dotted
+# and top-level values, additions, forced additions and deletions, a value before its group's choice, a
+# list choice of a keyed group, a recipe, an interpolation, Hydra's own node, a structured-config type.
+SPLIT_CASES = [
+    ["model.dim=32", "model=gpt2_small", "tp=2", "strategy=3d"],
+    ["callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=3", "+callbacks.extra._target_=x.Y"],
+    ["recipe=llama3_8b_8xh100", "trainer.devices=2", "tp=1", "mode=plan"],
+    ["++trainer.new_key=1", "~callbacks.memory", "trainer.seq_len=${trainer.micro_batch_size}"],
+    ["strategy=zero3", "hydra.run.dir=/tmp/x", "strategy.offload_params=true", "precision=bf16"],
+    ["optimizer.lr=0.5", "optimizer=muon", "lr_schedule.warmup_steps=1"],
+]
+# Errors a user meets: an unknown option, an unknown key, a wrong type, an unparsable override.
+SPLIT_ERRORS = [["strategy=nope"], ["trainer.max_stepz=3"], ["trainer.max_steps=lots"], ["model.dim=="]]
+
+
+@pytest.mark.parametrize("overrides", SPLIT_CASES, ids=[o[0] for o in SPLIT_CASES])
+def test_compose_of_a_kept_defaults_list_is_hydras_whole_composition(overrides: list[str]) -> None:
+    from omegaconf import DictConfig, ListConfig
+
+    from trainer.config.compose import _hydra_compose, _split_values
+
+    def nodes(node: object, path: str = "") -> list[tuple[str, ...]]:
+        """Every node's path, kind, declared type and flags (the YAML alone does not show a schema's types)."""
+        if isinstance(node, DictConfig):
+            own = [(path, "dict", str(node._metadata.object_type), str(node._get_flag("struct")))]
+            return own + [n for key in node.keys() for n in nodes(node._get_node(key), f"{path}.{key}")]
+        if isinstance(node, ListConfig):
+            return [(path, "list")] + [n for i in range(len(node)) for n in nodes(node._get_node(i), f"{path}[{i}]")]
+        return [(path, type(node).__name__, str(node._metadata.ref_type))]
+
+    base, values = _split_values(overrides)
+    assert values and len(base) + len(values) == len(overrides)  # the case takes the kept defaults list's path
+    compose(overrides)  # the defaults list is kept now: the next compose copies it
+    split, whole = compose(overrides), _hydra_compose(overrides, "config")
+    assert OmegaConf.to_yaml(split) == OmegaConf.to_yaml(whole)
+    assert nodes(split) == nodes(whole)
+
+
+@pytest.mark.parametrize("overrides", SPLIT_ERRORS, ids=["option", "key", "type", "syntax"])
+def test_compose_errors_are_hydras(overrides: list[str]) -> None:
+    from trainer.config.compose import _hydra_compose
+
+    with pytest.raises(Exception) as split:
+        compose(["trainer.devices=1", *overrides])
+    with pytest.raises(Exception) as whole:
+        _hydra_compose(["trainer.devices=1", *overrides], "config")
+    assert (type(split.value), str(split.value)) == (type(whole.value), str(whole.value))
+
+
+def test_a_kept_defaults_list_follows_the_config_files_and_the_store(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edited YAML file or an option stored again in the ConfigStore is composed anew."""
+    import importlib
+    import shutil
+
+    from hydra.core.config_store import ConfigStore
+
+    compose_module = importlib.import_module("trainer.config.compose")
+    from trainer.data import StdlibDataConfig
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    monkeypatch.setattr(compose_module, "CONF_DIR", conf)
+    assert compose(["model=tiny", "trainer.max_steps=2"]).model.dim == compose(["model=tiny"]).model.dim
+    tiny = conf / "model" / "tiny.yaml"
+    text = tiny.read_text()
+    assert "\ndim: " in text
+    tiny.write_text(text.replace("\ndim: ", "\ndim: 1000 #", 1))
+    assert compose(["model=tiny", "trainer.max_steps=2"]).model.dim == 1000
+    # the same schema stored again under a default that differs
+    store = ConfigStore.instance()
+    before = compose(["trainer.max_steps=2"]).data.max_bytes
+    assert before != 12345
+    store.store(group="data", name="stdlib_schema", node=StdlibDataConfig(max_bytes=12345))
+    try:
+        assert compose(["trainer.max_steps=2"]).data.max_bytes == 12345
+    finally:
+        store.store(group="data", name="stdlib_schema", node=StdlibDataConfig)
+    assert compose(["trainer.max_steps=2"]).data.max_bytes == before
+
+
 def test_every_group_has_options() -> None:
     for group in GROUPS:
         assert group_options(group), f"conf/{group} is empty"

@@ -89,6 +89,19 @@ def register_configs() -> None:
     _register_recipes(cs)
 
 
+def stored_nodes() -> list[object]:
+    """Every config node in Hydra's ConfigStore now (a node stored again is a new object)."""
+    nodes: list[object] = []
+    pending = [ConfigStore.instance().repo]
+    while pending:
+        for item in pending.pop().values():
+            if isinstance(item, dict):
+                pending.append(item)
+            else:
+                nodes.append(item)
+    return nodes
+
+
 _STORED_RECIPES: dict[Path, float] = {}
 
 
