@@ -15,8 +15,11 @@ module whose runs failed gets the recorded output from `ensure`.
 The launches keep both cores busy, the single-process tests about one (process starts, Python), so once
 the session's tests are collected (tests/conftest.py) `start` launches, in a thread, everything the selected
 modules registered while the other modules' tests run; the modules that read the launches run last, and
-`ensure` waits for the launches it needs. A test that must have the machine to itself (timeouts of a few
-seconds) waits for every launch with `wait_all`.
+`ensure` waits for the launches it needs. The launch of one process runs in a thread of its own beside the
+others: a multi-process launch leaves part of the machine idle while its ranks wait for each other (the
+8-process launch used 390 s of CPU in 274 s, 1.4 of the 2 cores, in a session measured on 2026-11-29). A
+test that must have the machine to itself (timeouts of a few seconds) waits for every launch with
+`wait_all`.
 
 Work a module would otherwise do in this process before reading (the README's sequence of commands) is a
 job: a command registered with `add_job`, started with the launches by `start`, read with `job`. Runs that
@@ -76,10 +79,12 @@ class LaunchPool:
         self.batches: list[Batch] = []
         self.launched: set[tuple[int, int]] = set()  # (stage, world)
         self.modules: set[str] | None = None  # the modules whose runs launch (None: all registered)
-        self._lock = threading.Lock()  # one launch at a time: the background thread's or a test's
+        self._locks: dict[tuple[int, int], threading.Lock] = {}  # (stage, world) -> held while it launches
+        self._guard = threading.Lock()  # the pool's shared state: the locks, the first launch's clean-up
+        self._cleaned = False  # the first launch emptied the directory
         self._errors: dict[tuple[int, int], BaseException] = {}  # a launch's machinery failed (a prepare)
-        self._background: threading.Thread | None = None
-        self._process: subprocess.Popen[str] | None = None  # the launch running now
+        self._backgrounds: list[threading.Thread] = []
+        self._processes: set[subprocess.Popen[str]] = set()  # the launches running now
         self._stopped = False
         self.jobs: dict[str, Job] = {}
         # (what ran, its start in seconds after this pool was made, its seconds) per launch and job: the
@@ -166,20 +171,23 @@ class LaunchPool:
             self._start_job(self.jobs[module])
         self.modules = modules
         order = [key for key in self._order() if self._batches(*key)]
-        if order:
-            self._background = threading.Thread(target=self._launch_all, args=(order,), name="launch-pool",
-                                                daemon=True)
-            self._background.start()
+        beside = [key for key in order if key == (0, 1)]  # the launch of one process (module docstring)
+        for name, keys in (("launch-pool", [key for key in order if key not in beside]),
+                           ("launch-pool-single", beside)):
+            if keys:
+                thread = threading.Thread(target=self._launch_all, args=(keys,), name=name, daemon=True)
+                self._backgrounds.append(thread)
+                thread.start()
 
     def wait_all(self) -> None:
         """Wait for the background launches (a test that needs the machine to itself)."""
-        if self._background is not None:
-            self._background.join()
+        for thread in self._backgrounds:
+            thread.join()
 
     def stop(self) -> None:
         """End the running launch and launch nothing more (the session is over)."""
         self._stopped = True
-        for process in [self._process] + [job.process for job in self.jobs.values()]:
+        for process in [*self._processes] + [job.process for job in self.jobs.values()]:
             if process is not None and process.poll() is None:
                 kill_tree(process.pid)
         self.wait_all()
@@ -211,9 +219,6 @@ class LaunchPool:
 
     def wait(self, world: int, module: str, stage: int = 0) -> dict[str, str]:
         """`ensure` without failing: the launch's output for each of `module`'s runs there that failed."""
-        for earlier, other in self._order():
-            if earlier < stage:
-                self._launch(other, earlier)
         self._launch(world, stage, module)
         if (stage, world) in self._errors:
             raise self._errors[(stage, world)]
@@ -222,13 +227,22 @@ class LaunchPool:
                 for name, output in batch.failures.items()}
 
     def _launch(self, world: int, stage: int, module: str | None = None) -> None:
-        with self._lock:
+        """Run (once) what is registered for (stage, world), after every launch of an earlier stage (in this
+        thread, or waiting for the thread that runs it)."""
+        for earlier, other in self._order():
+            if earlier < stage:
+                self._launch(other, earlier)
+        with self._guard:
+            lock = self._locks.setdefault((stage, world), threading.Lock())
+        with lock:
             batches = self._batches(stage, world, module)
             if not batches:
                 return
-            if not self.launched:  # the session's first launch: a directory of an earlier process's pid goes
-                shutil.rmtree(self.root, ignore_errors=True)
-            self.launched.add((stage, world))
+            with self._guard:
+                if not self._cleaned:  # the session's first launch: a directory of an earlier process's pid goes
+                    shutil.rmtree(self.root, ignore_errors=True)
+                    self._cleaned = True
+                self.launched.add((stage, world))
             for batch in batches:
                 batch.launched = True
             self._run_batches(world, stage, batches)
@@ -269,11 +283,12 @@ class LaunchPool:
         spec.write_text(json.dumps({"out": str(self.root / f"logs_np{world}_stage{stage}_{attempt}"),
                                     "runs": runs}))
         # its own session: `stop` ends torchrun and its workers together
-        self._process = process = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
              str(HARNESS), str(spec)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        self._processes.add(process)
         try:
             stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
             output = stdout[-3000:] + stderr[-6000:]
@@ -281,6 +296,8 @@ class LaunchPool:
             kill_tree(process.pid)
             stdout, stderr = process.communicate()
             output = f"timed out after {LAUNCH_TIMEOUT_S} s\n{stderr}"[-6000:]
+        finally:
+            self._processes.discard(process)
         done = 0
         while done < len(runs) and (Path(runs[done]["dir"]) / "summary.json").exists():
             done += 1
