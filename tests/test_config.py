@@ -139,9 +139,9 @@ def test_a_kept_defaults_list_follows_the_config_files_and_the_store(tmp_path: P
 
     from hydra.core.config_store import ConfigStore
 
-    compose_module = importlib.import_module("trainer.config.compose")
     from trainer.data import StdlibDataConfig
 
+    compose_module = importlib.import_module("trainer.config.compose")
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
     monkeypatch.setattr(compose_module, "CONF_DIR", conf)

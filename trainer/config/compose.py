@@ -9,8 +9,8 @@ Composing is Hydra's slowest step (0.26 s on the 2-core machine: the defaults tr
 structured configs loaded and merged), and a process composes many configs that differ only in values
 (`model.dim=64`, `trainer.max_steps=3`): the planner's search validates candidates, tests and the shared
 test launches compose hundreds. So `compose` splits the overrides as Hydra itself applies them: the
-defaults list (group choices, top-level values, `hydra.*`) is composed by Hydra once per process and kept,
-and the value overrides are applied to a deep copy of it with Hydra's own
+defaults list (the group choices and `hydra.*`) is composed by Hydra once per process and kept, and the
+value overrides (dotted and top-level) are applied to a deep copy of it with Hydra's own
 `ConfigLoaderImpl._apply_overrides_to_config`, in their order, which is what Hydra's composition does
 after building the same defaults list (hydra/_internal/config_loader_impl.py). A sweep, a package `@` and
 any error are composed whole, so an error reads exactly as Hydra words it.
@@ -40,6 +40,8 @@ _bases: OrderedDict[tuple[Any, ...], tuple[DictConfig, list[Any]]] = OrderedDict
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose conf/ with overrides outside of a Hydra app (tests, benchmarks, the CLI's preflight)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
     overrides = list(overrides or [])
     register_configs()
     split = _split_values(overrides)
@@ -47,7 +49,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         base, values = split
         try:
             cfg = copy.deepcopy(_base(base, config_name))
-            _apply_values(values, cfg)
+            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
             return cfg
         except Exception:  # noqa: BLE001 - composed whole below, which raises Hydra's own error
             pass
@@ -101,7 +103,7 @@ def _base(base: list[str], config_name: str) -> DictConfig:
     """The composed defaults list of `base` (kept; callers deep-copy it). Kept per the config files' and the
     ConfigStore's state: a file edited or an option stored again composes anew."""
     nodes = stored_nodes()
-    key = (config_name, str(CONF_DIR), tuple(base), _files_state(), tuple(map(id, nodes)))
+    key = (config_name, tuple(base), _files_state(), tuple(map(id, nodes)))  # the files' paths name CONF_DIR
     if key in _bases:
         _bases.move_to_end(key)
         return _bases[key][0]
@@ -122,11 +124,6 @@ def _files_state() -> tuple[tuple[str, int, int], ...]:
                 state.append((os.path.join(root, name), info.st_size, info.st_mtime_ns))
     return tuple(sorted(state))
 
-
-def _apply_values(values: list[Any], cfg: DictConfig) -> None:
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
 
 
 def group_options(group: str) -> list[str]:
