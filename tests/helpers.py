@@ -25,14 +25,20 @@ class FailOnRank(Callback):
 
 
 class RecordPid(Callback):
-    """Write each rank's pid, so a test can see which processes took part."""
+    """Write each rank's pid and its parent's pid and command line, so a test can see which processes took
+    part and what started them."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
     def on_fit_start(self, trainer: Any) -> None:
-        with open(os.path.join(self.directory, f"rank{trainer.strategy.rank}.pid"), "w") as f:
+        rank = trainer.strategy.rank
+        with open(os.path.join(self.directory, f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as cmdline:
+            parent = cmdline.read().replace(b"\0", b" ").decode()
+        with open(os.path.join(self.directory, f"rank{rank}.parent"), "w") as f:
+            f.write(f"{os.getppid()} {parent}")
 
 
 class InjectSpike(Callback):

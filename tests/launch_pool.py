@@ -66,6 +66,7 @@ class Job:
 
     module: str
     command: list[str]
+    after_launches: bool = False  # started once the launches have ended (`add_job`)
     process: Optional[subprocess.Popen[str]] = None
     result: Optional[tuple[int, str]] = None  # exit code, output
     started: float = 0.0  # time.perf_counter() at its start
@@ -124,16 +125,20 @@ class LaunchPool:
         """Where jobs write (beside the launches' directory, which the first launch empties)."""
         return self.root.with_name(self.root.name + "-jobs")
 
-    def add_job(self, module: str, command: list[str]) -> None:
+    def add_job(self, module: str, command: list[str], *, after_launches: bool = False) -> None:
         """Register a command (run in the repository) whose results `module` reads with `job`: started with
-        the launches, it runs beside the tests instead of inside the test that needs it."""
+        the launches, it runs beside the tests instead of inside the test that needs it. With
+        `after_launches` it starts when the launches have ended (work that must not share the machine with
+        them: timeouts of seconds), still beside the tests that remain."""
         _check_module_name(module)
-        self.jobs[module] = Job(module, command)
+        self.jobs[module] = Job(module, command, after_launches)
 
     def job(self, module: str) -> tuple[int, str]:
         """Wait for `module`'s job (started now if it was not): its exit code and output."""
         job = self.jobs[module]
         if job.result is None:
+            if job.after_launches:
+                self.wait_all()
             self._start_job(job)
             assert job.process is not None
             try:
@@ -150,14 +155,16 @@ class LaunchPool:
         return self.jobs_root / f"{job.module}.log"
 
     def _start_job(self, job: Job) -> None:
-        if job.process is None:
+        with self._guard:  # the test that reads it and the thread of `after_launches` may both start it
+            if job.process is not None:
+                return
             # into a file, not a pipe: nobody reads the job's output until a test needs its results
             self.jobs_root.mkdir(parents=True, exist_ok=True)
             job.started = time.perf_counter()
             with open(self._job_log(job), "w") as log:
                 job.process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, text=True,
                                                cwd=REPO, start_new_session=True)
-            threading.Thread(target=self._time_job, args=(job,), name=f"job-{job.module}", daemon=True).start()
+        threading.Thread(target=self._time_job, args=(job,), name=f"job-{job.module}", daemon=True).start()
 
     def _time_job(self, job: Job) -> None:
         assert job.process is not None
@@ -167,8 +174,10 @@ class LaunchPool:
     def start(self, modules: set[str]) -> None:
         """Start the jobs of `modules`, and launch, in a background thread and in `ensure`'s order, every run
         `modules` registered."""
+        later = [self.jobs[module] for module in sorted(modules & set(self.jobs)) if self.jobs[module].after_launches]
         for module in sorted(modules & set(self.jobs)):
-            self._start_job(self.jobs[module])
+            if not self.jobs[module].after_launches:
+                self._start_job(self.jobs[module])
         self.modules = modules
         order = [key for key in self._order() if self._batches(*key)]
         beside = [key for key in order if key == (0, 1)]  # the launch of one process (module docstring)
@@ -178,6 +187,15 @@ class LaunchPool:
                 thread = threading.Thread(target=self._launch_all, args=(keys,), name=name, daemon=True)
                 self._backgrounds.append(thread)
                 thread.start()
+        if later:
+            threading.Thread(target=self._start_after_launches, args=(later,), name="jobs-after-launches",
+                             daemon=True).start()
+
+    def _start_after_launches(self, jobs: list[Job]) -> None:
+        self.wait_all()
+        for job in jobs:
+            if not self._stopped:
+                self._start_job(job)
 
     def wait_all(self) -> None:
         """Wait for the background launches (a test that needs the machine to itself)."""

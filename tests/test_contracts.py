@@ -182,6 +182,22 @@ class NotACheckpointManager(Callback):
     """Named like the manager, saves nothing."""
 
 
+def test_workers_fork_from_the_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forkserver's workers inherit its environment (the first launch's): a later launch in the same
+    process with another environment (a sweep job's own variables) spawns its workers instead."""
+    import multiprocessing.forkserver
+
+    from trainer import launch
+    from trainer.run import train
+
+    monkeypatch.setattr(launch, "_forkserver_environment", None)
+    assert launch.worker_start_method(train) == "forkserver"
+    assert multiprocessing.forkserver._forkserver._preload_modules == ["trainer.run", "trainer.launch"]
+    assert launch.worker_start_method(train) == "forkserver"  # the same environment: the same server
+    monkeypatch.setenv("TRAINER_TEST_SWEEP_JOB_VARIABLE", "1")
+    assert launch.worker_start_method(train) == "spawn"
+
+
 def test_the_managers_latest_checkpoint_is_the_newest_complete_one_before_the_step(tmp_path: Path) -> None:
     from trainer.checkpoint.manifest import MANIFEST, step_dirname
     from trainer.plugins.callbacks import CheckpointManager

@@ -29,7 +29,7 @@ from trainer.collectives import normalize_fr_entry
 from trainer.commcheck import format_table
 from trainer.config import ConfigError, compose, validate
 from trainer.diagnosis import diagnose, format_ranks
-from trainer.hang import process_state, straggler_metrics
+from trainer.hang import process_state, report_interval, straggler_metrics
 from trainer.launch import describe_failure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +52,9 @@ def helper(name: str, cls: str, **options: Any) -> list[str]:
 JOBS = {
     # a rank that stops before its step's collectives (attempt 0), then 100+ normal steps and a rank slowed
     # from STRAGGLER_FROM on (attempt 1): the straggler report's checks
-    "stop_dp4": DP4 + [f"trainer.max_steps={STRAGGLER_STEPS}"] + helper("stop", "StopBeforeCollective", rank=2, step=3)
+    # (a report at every log step: the test reads each step's figures)
+    "stop_dp4": DP4 + [f"trainer.max_steps={STRAGGLER_STEPS}", "trainer.straggler_overhead=0"]
+    + helper("stop", "StopBeforeCollective", rank=2, step=3)
     + helper("slow", "SleepInForward", rank=3, step=STRAGGLER_FROM, seconds=0.25, attempt=1),
     # a rank that sleeps inside the forward (pp2 x dp2, the last stage of dp rank 1)
     "sleep_pp2_dp2": PP2_DP2 + ["trainer.max_steps=6"] + helper("sleep", "SleepInForward", rank=3, step=3),
@@ -252,10 +254,31 @@ def test_straggler_streaks_continue_across_log_steps() -> None:
     assert warning is not None and metrics["straggler_rank"] == 1
 
 
+def test_steps_whose_records_the_ring_dropped_are_left_out() -> None:
+    # rank 1 computes 0.4 s in steps 1-2 only; its ring's oldest record is from step 3 on (covered_from), so
+    # those steps are judged on no data rather than on missing arrivals (which read as no waiting)
+    normal, slow = rank_data([0.5] * 4, [0.1] * 4), rank_data([0.5] * 4, [0.4, 0.4, 0.1, 0.1])
+    assert straggler_metrics([normal, slow], 0.5, {}, 2)[1] is not None
+    slow["covered_from"] = int(2e9)
+    metrics, warning = straggler_metrics([normal, slow], 0.5, {}, 2)
+    # rank 0 waited 0.3 s in steps 1-2 (compute 0.2 s): only steps 3-4 count, where nobody waits
+    assert warning is None and metrics["compute_s/rank_0"] == pytest.approx(0.5)
+
+
+def test_a_report_waits_for_steps_worth_its_cost_over_the_allowed_share() -> None:
+    steps = rank_data([0.05] * 3, [0.0] * 3)
+    cheap, costly = {**steps, "read_s": 0.001}, {**steps, "read_s": 0.03}
+    # the slowest rank's read (30 ms) over 1% of a 50 ms step: 60 steps, on every rank alike
+    assert report_interval([cheap, costly], 0.01) == report_interval([costly, cheap], 0.01) == 60
+    assert report_interval([cheap, costly], 0.0) == 0  # every log step
+    assert report_interval([{**steps, "read_s": 0.0}], 0.01) == 0
+
+
 # ---- config and the check table ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("override", "key"), [("trainer.hang_timeout_s=-1", "trainer.hang_timeout_s"),
                                                ("trainer.hang_first_step_factor=0.5", "trainer.hang_first_step_factor"),
-                                               ("trainer.straggler_steps=0", "trainer.straggler_steps")])
+                                               ("trainer.straggler_steps=0", "trainer.straggler_steps"),
+                                               ("trainer.straggler_overhead=1", "trainer.straggler_overhead")])
 def test_watchdog_options_are_validated(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(key)):
         validate(compose([override]))
@@ -270,26 +293,40 @@ def test_check_table_shows_the_slowest_group_of_each_dimension() -> None:
 
 
 # ---- 4-process jobs with injected faults ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    POOL.wait_all()  # 10 s hang timeouts and straggler timings: not next to the session's other launches
-    out = tmp_path_factory.mktemp("hang")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    running = {}
+# The jobs run in a process of their own, started when the session's shared launches have ended (10 s hang
+# timeouts and straggler timings: not beside them) and running beside the session's remaining tests.
+JOBS_DIR = POOL.jobs_root / "hang"
+RUN_JOBS = """import json, os, subprocess, sys
+from pathlib import Path
+out, commands = Path(sys.argv[1]), json.loads(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+env = {**os.environ, "OMP_NUM_THREADS": "1"}
+running = {name: subprocess.Popen(command, stdout=open(out / f"{name}.out", "w"), stderr=subprocess.STDOUT, env=env)
+           for name, command in commands.items()}
+for name, process in running.items():
+    (out / f"{name}.rc").write_text(str(process.wait(timeout=900)))
+"""
+
+
+def _job_commands() -> dict[str, list[str]]:
+    commands = {}
     for name, overrides in JOBS.items():
         own = {override.split("=")[0] for override in overrides}
         loop = [override for override in LOOP if override.split("=")[0] not in own]  # a job's own value wins
-        command = [sys.executable, "-m", "trainer", *MODEL, *loop, *overrides, f"hydra.run.dir={out / name}"]
-        log = open(out / f"{name}.out", "w")
-        running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env),
-                         log)
-    results = {}
-    for name, (process, log) in running.items():
-        returncode = process.wait(timeout=900)
-        log.close()
-        results[name] = (out / name, subprocess.CompletedProcess(process.args, returncode,
-                                                                   (out / f"{name}.out").read_text(), ""))
-    return results
+        commands[name] = [sys.executable, "-m", "trainer", *MODEL, *loop, *overrides, f"hydra.run.dir={JOBS_DIR / name}"]
+    return commands
+
+
+POOL.add_job("hang", [sys.executable, "-c", RUN_JOBS, str(JOBS_DIR), json.dumps(_job_commands())], after_launches=True)
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    code, output = POOL.job("hang")
+    assert code == 0, output
+    return {name: (JOBS_DIR / name, subprocess.CompletedProcess(command, int((JOBS_DIR / f"{name}.rc").read_text()),
+                                                                 (JOBS_DIR / f"{name}.out").read_text(), ""))
+            for name, command in _job_commands().items()}
 
 
 def finished_after_restart(run_dir: Path, result: subprocess.CompletedProcess, steps: int,

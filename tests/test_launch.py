@@ -59,6 +59,9 @@ def test_devices_2_launches_workers_in_one_run_dir_and_only_rank0_speaks(tmp_pat
     assert summary["world_size"] == 2
     pids = {(tmp_path / f"rank{r}.pid").read_text() for r in (0, 1)}
     assert len(pids) == 2 and str(os.getpid()) not in pids
+    # both forked from one server process that imported the trainer once (trainer.launch.worker_start_method)
+    parents = {(tmp_path / f"rank{r}.parent").read_text() for r in (0, 1)}
+    assert len(parents) == 1 and "multiprocessing.forkserver" in parents.pop()
     assert "launching 2 worker(s)" in (tmp_path / "train.log").read_text()
     # the final checkpoint (trainer.save_final), saved by both ranks together, named by the last line
     final = tmp_path / "checkpoints" / "step_00000004"

@@ -51,8 +51,13 @@ def enable_flight_recorder(entries: int = DEFAULT_FR_ENTRIES) -> None:
     os.environ.setdefault("TORCH_INCLUDE_STACK_TRACE", "0")
 
 
+def flight_recorder_capacity() -> int:
+    """How many records the flight recorder's ring holds (0: off)."""
+    return int(os.environ.get(FR_ENV, "0") or 0)
+
+
 def flight_recorder_enabled() -> bool:
-    return int(os.environ.get(FR_ENV, "0") or 0) > 0
+    return flight_recorder_capacity() > 0
 
 
 def flight_recorder_entries(stack_traces: bool = False) -> list[dict[str, Any]]:

@@ -22,9 +22,12 @@ in C code that holds it writes nothing, and the diagnosis says that its report i
 The process group's own timeout (gloo, NCCL) is set above the watchdog's longest deadline by the run
 (`collective_timeout_s`), so the diagnosis comes first.
 
-Stragglers. Each rank keeps the start and end of its steps; on every log step all ranks exchange them
-with the issue times of their collectives in those steps (flight recorder, matched by process group and
-sequence number). A rank's waiting time in a step is the largest gap between its arrival at one of the
+Stragglers. Each rank keeps the start and end of its steps; at a log step all ranks exchange them with
+the issue times of their collectives in those steps (flight recorder, matched by process group and
+sequence number). Reading the recorder costs tens of milliseconds, so a report runs once the steps since
+the previous one have taken its cost divided by `straggler_overhead` (the same step on every rank: the
+interval is computed from the gathered figures), and at the last step; steps whose collectives the ring no
+longer holds are left out. A rank's waiting time in a step is the largest gap between its arrival at one of the
 step's collectives and the last member's arrival (gaps of overlapping asynchronous collectives do not
 add up, so the largest is taken), its compute time the rest of the step. A rank whose compute time is
 above the median of the other ranks' by more than `straggler_margin` (and 5 ms) for `straggler_steps` consecutive steps is
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -51,7 +55,8 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.callback import Callback
-from trainer.collectives import P2PRecorder, flight_recorder_entries, group_names, normalize_fr_entry
+from trainer.collectives import (P2PRecorder, flight_recorder_capacity, flight_recorder_entries, group_names,
+                                 normalize_fr_entry)
 from trainer.diagnosis import diagnose, format_ranks
 
 log = logging.getLogger("trainer")
@@ -93,12 +98,15 @@ class HangWatchdog(Callback):
     straggler report also runs with the watchdog off when `trainer.straggler_margin > 0`)."""
 
     def __init__(self, *, timeout_s: float, first_step_factor: float = 5.0, save_factor: float = 3.0,
-                 straggler_margin: float = 0.5, straggler_steps: int = 5, record_pipeline: bool = True) -> None:
+                 straggler_margin: float = 0.5, straggler_steps: int = 5, straggler_overhead: float = 0.01,
+                 record_pipeline: bool = True) -> None:
         self.timeout_s = float(timeout_s)
         self.first_step_factor = float(first_step_factor)
         self.save_factor = float(save_factor)
         self.straggler_margin = float(straggler_margin)
         self.straggler_steps = int(straggler_steps)
+        self.straggler_overhead = float(straggler_overhead)
+        self._next_report = 0  # the first step at which the next straggler report may run
         self.p2p = P2PRecorder.install() if record_pipeline else None
         self.deadline = float("inf")
         self.phase = "start-up"
@@ -107,7 +115,7 @@ class HangWatchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._trainer: Any = None
-        self._steps: list[tuple[int, int, int]] = []  # (step, start ns, end ns) since the last log step
+        self._steps: list[tuple[int, int, int]] = []  # (step, start ns, end ns) since the last report
         self._slow_streak: dict[int, int] = {}
         self._hooks: list[Any] = []
         self._processes: list[tuple[str, int]] = []  # (host, pid) of every rank
@@ -162,8 +170,8 @@ class HangWatchdog(Callback):
     def on_train_batch_end(self, trainer: Any, outputs: dict[str, Any]) -> None:
         self._steps.append((trainer.step, self._step_start, time.time_ns()))
         self.microbatch = 0
-        if self.straggler_margin > 0 and (trainer.step % trainer.config.log_every == 0
-                                          or trainer.step == trainer.total_steps):
+        log_step = trainer.step % trainer.config.log_every == 0 and trainer.step >= self._next_report
+        if self.straggler_margin > 0 and (log_step or trainer.step == trainer.total_steps):
             self._report_stragglers(trainer)
         self._arm(f"step {trainer.step + 1}")
 
@@ -342,18 +350,37 @@ class HangWatchdog(Callback):
         steps, self._steps = self._steps, []
         if trainer.strategy.world_size < 2 or not steps:
             return
+        started = time.perf_counter()
         first = steps[0][1]
-        recent = [entry for entry in flight_recorder_entries() if (entry.get("time_created_ns") or 0) >= first]
+        entries = flight_recorder_entries()
+        # a full ring may have dropped the first steps' records: those steps are judged on no data
+        wrapped = len(entries) >= flight_recorder_capacity() > 0
+        covered_from = min((entry.get("time_created_ns") or 0 for entry in entries), default=0) if wrapped else 0
+        recent = [entry for entry in entries if (entry.get("time_created_ns") or 0) >= first]
         arrivals = [(e["pg"], e["seq"], e["created_ns"]) for e in (normalize_fr_entry(x, {}) for x in recent)
                     if not e["p2p"]]
-        gathered = trainer.strategy.all_gather_object({"steps": steps, "arrivals": arrivals})
+        gathered = trainer.strategy.all_gather_object({"steps": steps, "arrivals": arrivals,
+                                                       "covered_from": covered_from,
+                                                       "read_s": time.perf_counter() - started})
         metrics, warning = straggler_metrics(gathered, self.straggler_margin, self._slow_streak,
                                              self.straggler_steps)
+        self._next_report = trainer.step + report_interval(gathered, self.straggler_overhead)
         if warning is not None:
             self.straggler_warnings.append(warning)
             if trainer.is_global_zero:
                 log.warning(warning)
         trainer.log(metrics)
+
+
+def report_interval(gathered: list[dict[str, Any]], overhead: float) -> int:
+    """Steps until the next straggler report may run: the slowest rank's read of its flight recorder (the
+    report's cost) over `overhead` times the median step time, from the figures every rank gathered (so
+    every rank computes the same number); 0 with `overhead` 0 (every log step)."""
+    durations = sorted((end - start) / 1e9 for rank_data in gathered for _, start, end in rank_data["steps"])
+    if overhead <= 0 or not durations:
+        return 0
+    cost = max(rank_data.get("read_s", 0.0) for rank_data in gathered)
+    return math.ceil(cost / (overhead * max(statistics.median(durations), 1e-6)))
 
 
 def straggler_metrics(gathered: list[dict[str, Any]], margin: float, streak: dict[int, int],
@@ -366,7 +393,9 @@ def straggler_metrics(gathered: list[dict[str, Any]], margin: float, streak: dic
         for pg, seq, created in rank_data["arrivals"]:
             key = (pg, seq)
             last_arrival[key] = max(last_arrival.get(key, created), created)
-    steps = sorted({s for rank_data in gathered for s, _, _ in rank_data["steps"]})
+    # steps that started before the oldest record some rank's ring still holds: their arrivals are gone
+    covered_from = max((rank_data.get("covered_from", 0) for rank_data in gathered), default=0)
+    steps = sorted({s for rank_data in gathered for s, start, _ in rank_data["steps"] if start >= covered_from})
     compute: dict[int, list[float]] = {r: [] for r in range(world)}
     wait: dict[int, list[float]] = {r: [] for r in range(world)}
     worst: tuple[int, int, float, float] | None = None  # rank, streak, compute, median

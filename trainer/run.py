@@ -222,7 +222,8 @@ def watchdog(t: DictConfig, strategy: Any) -> list[HangWatchdog]:
         return []
     return [HangWatchdog(timeout_s=t.hang_timeout_s, first_step_factor=t.hang_first_step_factor,
                          save_factor=t.hang_save_factor, straggler_margin=t.straggler_margin,
-                         straggler_steps=t.straggler_steps, record_pipeline=t.record_collectives)]
+                         straggler_steps=t.straggler_steps, straggler_overhead=t.straggler_overhead,
+                         record_pipeline=t.record_collectives)]
 
 
 def save_final_checkpoint(trainer: Trainer) -> Path:

@@ -103,6 +103,12 @@ class TrainerConfig:
     # consecutive steps is named as a straggler (a warning and the metric straggler_rank); 0 turns it off.
     straggler_margin: float = 0.5
     straggler_steps: int = 5
+    # The share of the training time the straggler report may take. A report reads every rank's flight
+    # recorder and gathers the ranks' step times (tens of milliseconds at the recorder's 2,000 records): it
+    # runs at a log step once the steps since the previous one have taken at least its cost divided by this
+    # share (0.01: reports at most 1% of the time), and at the last step. The steps in between are kept and
+    # judged at the next report: a straggler is named later, not missed. 0: a report at every log step.
+    straggler_overhead: float = 0.01
 
 
 @dataclass

@@ -74,6 +74,8 @@ def _validate_trainer(t: DictConfig) -> None:
         _require(t[key] >= 1, f"trainer.{key}", f"must be >= 1, got {t[key]}")
     _require(t.straggler_margin >= 0, "trainer.straggler_margin", f"must be >= 0 (0: off), got {t.straggler_margin}")
     _require(t.straggler_steps >= 1, "trainer.straggler_steps", f"must be >= 1, got {t.straggler_steps}")
+    _require(0 <= t.straggler_overhead < 1, "trainer.straggler_overhead",
+             f"must be in [0, 1) (0: a report at every log step), got {t.straggler_overhead}")
 
 
 def _validate_parallel_shortcuts(cfg: DictConfig) -> None:
