@@ -1,9 +1,10 @@
-"""Runs several training configurations inside one torchrun launch.
+"""Runs several training configurations inside one multi-process launch.
 
 Starting processes costs seconds on a 2-core machine, so the multi-process tests batch their runs:
-`torchrun --nproc-per-node N tests/distributed_harness.py SPEC.json`, where SPEC lists named override
-lists (tests/launch_pool.py gathers the session's runs into one SPEC per world size). Each run writes, from
-rank 0, `<dir>/summary.json` (with per-step losses from metrics.csv next to it) and `<dir>/weights.pt`
+`python tests/harness_launcher.py N SPEC.json` starts N workers running `main(SPEC.json)`, where SPEC lists
+named override lists (tests/launch_pool.py gathers the session's runs into one SPEC per world size); under
+`torchrun --nproc-per-node N tests/distributed_harness.py SPEC.json` each worker runs this file. Each run
+writes, from rank 0, `<dir>/summary.json` (with per-step losses from metrics.csv next to it) and `<dir>/weights.pt`
 (the full final weights), where `<dir>` is the run's `dir` or else `<out>/<name>`. With
 `"count_collectives": true` in SPEC or in a run, its summary also gets `collective_calls`: rank 0's
 collectives over the run's own process groups, by operation, from torch's flight recorder.
@@ -43,8 +44,8 @@ from trainer.run import build_trainer  # noqa: E402
 RING_ENTRIES = DEFAULT_FR_ENTRIES
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
+def main(spec_path: str | None = None) -> None:
+    spec = json.loads(Path(spec_path or sys.argv[1]).read_text())
     counted = [bool(spec.get("count_collectives") or run.get("count_collectives")) for run in spec["runs"]]
     if any(counted):
         enable_flight_recorder(entries=RING_ENTRIES)
@@ -137,5 +138,5 @@ def collective_calls(first_record: int, dims: object) -> dict[str, int]:
     return dict(counts)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a worker of `torchrun ... tests/distributed_harness.py SPEC.json`
     main()

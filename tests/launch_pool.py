@@ -1,9 +1,9 @@
-"""One torchrun launch per world size for the multi-process runs of the whole session.
+"""One launch per world size for the multi-process runs of the whole session.
 
 Starting N processes costs seconds each on a 2-core machine (torch's import, the rendezvous), so the test
 modules do not launch their own: each registers its runs with `POOL.add` when it is imported (at
 collection), and its module fixture calls `POOL.ensure(world)`, which launches every run registered for
-that world size by every collected module in one torchrun launch of tests/distributed_harness.py, the
+that world size by every collected module in one launch of tests/distributed_harness.py, the
 first time any module asks. A run writes into `<module directory>/np<world>/<name>` as the modules'
 own launches did. Runs that read what a launch of another world size wrote (a checkpoint resumed under
 another layout) are registered with `stage=1`: every stage-0 launch runs before any stage-1 launch.
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = REPO / "tests" / "distributed_harness.py"
+HARNESS_LAUNCHER = REPO / "tests" / "harness_launcher.py"  # starts the workers of tests/distributed_harness.py
 LAUNCH_TIMEOUT_S = 3600
 
 
@@ -285,7 +285,7 @@ class LaunchPool:
     def _run_pending(self, world: int, stage: int, pending: list[tuple[Batch, dict[str, Any]]]) -> None:
         attempt = 0
         while pending and not self._stopped:
-            output, done = self._torchrun(world, stage, attempt, [run for _, run in pending])
+            output, done = self._launch_once(world, stage, attempt, [run for _, run in pending])
             if done == len(pending):
                 return
             # the run in progress failed (or took its launch down): record it, go on after it
@@ -294,16 +294,15 @@ class LaunchPool:
             pending = pending[done + 1:]
             attempt += 1
 
-    def _torchrun(self, world: int, stage: int, attempt: int, runs: list[dict[str, Any]]) -> tuple[str, int]:
-        """One torchrun launch of `runs`; the launch's output tail and how many runs completed."""
+    def _launch_once(self, world: int, stage: int, attempt: int, runs: list[dict[str, Any]]) -> tuple[str, int]:
+        """One launch of `runs`; the launch's output tail and how many runs completed."""
         spec = self.root / f"spec_np{world}_stage{stage}_{attempt}.json"
         spec.parent.mkdir(parents=True, exist_ok=True)
         spec.write_text(json.dumps({"out": str(self.root / f"logs_np{world}_stage{stage}_{attempt}"),
                                     "runs": runs}))
-        # its own session: `stop` ends torchrun and its workers together
+        # its own session: `stop` ends the launcher and its workers together
         process = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-             str(HARNESS), str(spec)],
+            harness_command(world, spec),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         self._processes.add(process)
@@ -333,8 +332,8 @@ def _check_module_name(module: str) -> None:
 def kill_tree(pid: int) -> None:
     """SIGKILL a process started in its own session, its process group and every descendant.
 
-    The process group alone is not enough: torchrun starts each worker in a session of its own, so a
-    worker outlives a killed torchrun, holds its output pipes open (`communicate` waits for them) and
+    The process group alone is not enough: the elastic agent starts each worker in a session of its own, so
+    a worker outlives a killed launcher, holds its output pipes open (`communicate` waits for them) and
     waits on its peers for good (seen: a session ended by `-x` waited 10 minutes for such a worker)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -354,6 +353,11 @@ def kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
+def harness_command(nproc: int, spec: Path) -> list[str]:
+    """A launch of `nproc` harness workers running the runs of `spec` (tests/distributed_harness.py)."""
+    return [sys.executable, str(HARNESS_LAUNCHER), str(nproc), str(spec)]
+
+
 def launch_harness(out: Path, nproc: int, runs: list[dict], count_collectives: bool = False) -> None:
     """All `runs` in a launch of their own of `nproc` processes, writing `<out>/np<nproc>/<name>`: for runs
     that must start from what the test process made just before (the pool launches before any test)."""
@@ -361,8 +365,7 @@ def launch_harness(out: Path, nproc: int, runs: list[dict], count_collectives: b
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"out": str(out / f"np{nproc}"), "runs": runs, "count_collectives": count_collectives}))
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(HARNESS), str(spec)],
+        harness_command(nproc, spec),
         capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

@@ -10,7 +10,7 @@ fails `test_every_readme_command_has_a_tiny_run` until it is taught here. Where 
   process through the module's entry point as `python -m` runs it (runpy): a process start costs seconds
   on the 2-core machine, this costs only what the command itself does;
 - harness: multi-process commands, in the session's shared launches (tests/launch_pool.py) when they read
-  nothing an earlier command wrote, else in a torchrun launch of tests/distributed_harness.py of their own;
+  nothing an earlier command wrote, else in a launch of tests/distributed_harness.py of their own;
 - subprocess: the quick-start `python -m trainer`, for real (Hydra's default outputs/DATE/TIME), and
   `mode=check` (its launched workers measure their groups' bandwidth; nothing trains);
 - ELSEWHERE: commands another test already runs with tiny settings, pointed at; that test must exist and
