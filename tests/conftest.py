@@ -30,10 +30,12 @@ from typing import Iterator  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Tests that need the machine to themselves (trainer.hang_timeout_s of a few seconds, straggler timings, the
-# launcher's rendezvous):
-# they run last, after the shared launches have ended (their fixtures call POOL.wait_all()).
-QUIET_MODULES = ("test_hang.py", "test_launch.py")
+# Tests that must not run beside the shared launches (trainer.hang_timeout_s of a few seconds, straggler
+# timings, the launcher's rendezvous): they run last, in this order, after the launches have ended (their
+# fixtures wait for them). test_hang's jobs start in the background when the launches end
+# (`POOL.add_job(..., after_launches=True)`), so the launcher's tests run while they do, before test_hang
+# reads them.
+QUIET_MODULES = ("test_launch.py", "test_hang.py")
 SLOWEST_RUNS_SHOWN = 25
 
 
@@ -49,14 +51,16 @@ def _keep_thread_count() -> Iterator[None]:
 @pytest.hookimpl(trylast=True)  # after `-m` / `-k` have deselected
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that read the shared launches (tests/launch_pool.py) run after the others, which run
-    while the launches do; the quiet ones last."""
+    while the launches do; the quiet ones last, in QUIET_MODULES' order."""
     from tests.launch_pool import POOL
 
     pooled = {f"test_{module}.py" for module in POOL.modules_with_work()}
 
     def rank(item: pytest.Item) -> int:
         name = Path(str(item.fspath)).name
-        return 2 if name in QUIET_MODULES else 1 if name in pooled and _multi_process(item) else 0
+        if name in QUIET_MODULES:
+            return 2 + QUIET_MODULES.index(name)
+        return 1 if name in pooled and _multi_process(item) else 0
 
     items.sort(key=rank)  # stable: each group keeps the collection order
 

@@ -182,6 +182,29 @@ class NotACheckpointManager(Callback):
     """Named like the manager, saves nothing."""
 
 
+def test_a_rank_that_lost_a_peer_waits_for_the_launcher_at_most_its_grace() -> None:
+    """A worker whose collective failed because another rank's process ended leaves after the launcher's
+    SIGTERM (it has seen the cause) or the grace, whichever is first (trainer.launch.worker_main)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from trainer.launch import PEER_LOSS_GRACE_S, lost_a_peer, wait_for_sigterm
+
+    assert lost_a_peer(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:15794"))
+    assert not lost_a_peer(RuntimeError("injected failure on rank 1 at step 2"))
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    wait_for_sigterm(30.0)
+    assert time.monotonic() - started < 5.0  # the SIGTERM, not the 30 s
+    assert signal.getsignal(signal.SIGTERM) == before  # handed back
+    started = time.monotonic()
+    wait_for_sigterm(PEER_LOSS_GRACE_S)
+    assert time.monotonic() - started >= PEER_LOSS_GRACE_S * 0.9  # no signal: the whole grace
+
+
 def test_workers_fork_from_the_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The forkserver's workers inherit its environment (the first launch's): a later launch in the same
     process with another environment (a sweep job's own variables) spawns its workers instead."""

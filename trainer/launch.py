@@ -117,7 +117,7 @@ def configure_worker_logging(rank: int, run_dir: Path) -> None:
 def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path], Any]) -> dict[str, Any] | None:
     """Entry point of each launched worker (a picklable, module-level function): `train` is pickled by
     name (trainer.run.train) and imported again in the worker."""
-    from trainer.preemption import TrainingPreempted
+    from trainer.preemption import SIGNALS_TAKEN, TrainingPreempted
 
     os.environ[WORKER_STARTED] = repr(time.time())  # the recovery timeline's `worker_started` (trainer/recovery.py)
     register_configs()
@@ -128,19 +128,30 @@ def worker_main(cfg: DictConfig, run_dir: str, train: Callable[[DictConfig, Path
         return {"preempted": {"signal": stopped.signal_name, "step": stopped.step,
                               "checkpoint": str(stopped.checkpoint)}}
     except Exception as error:
-        if lost_a_peer(error):
+        if lost_a_peer(error) and signal.SIGTERM not in SIGNALS_TAKEN:
             # Another rank is gone and this one's collective failed because of it: the launcher reports the
-            # first failure it sees, so this rank leaves a moment later. (A forked worker exits within
-            # milliseconds of its error, so both ends were seen at once and the consequence could be named
-            # as the cause.)
-            time.sleep(PEER_LOSS_GRACE_S)
+            # first failure it sees, so this rank leaves a moment later, or as soon as the agent stops the
+            # group (SIGTERM: it has seen the cause; no wait when it came during training). A forked worker
+            # exits within milliseconds of its error, so both ends were seen at once and the consequence
+            # could be named as the cause.
+            wait_for_sigterm(PEER_LOSS_GRACE_S)
         raise
     return None
 
 
+def wait_for_sigterm(seconds: float) -> None:
+    """Wait up to `seconds` in the main thread, less if SIGTERM comes."""
+    came = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: came.set())
+    try:
+        came.wait(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # What a collective raises on the ranks left when another rank's process ends (gloo; NCCL).
 PEER_LOSS_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
-PEER_LOSS_GRACE_S = 2.0
+PEER_LOSS_GRACE_S = 1.0
 
 
 def lost_a_peer(error: BaseException) -> bool:
@@ -200,7 +211,7 @@ def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], A
     preempted = [result["preempted"] for result in (results or {}).values()
                  if isinstance(result, dict) and "preempted" in result]
     if preempted:
-        from trainer.preemption import TrainingPreempted
+        from trainer.preemption import SIGNALS_TAKEN, TrainingPreempted
 
         first = preempted[0]
         raise TrainingPreempted(first["signal"], int(first["step"]), Path(first["checkpoint"]))

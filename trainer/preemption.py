@@ -48,6 +48,11 @@ class TrainingPreempted(Exception):
                          "flushed; resume=auto in this run directory continues from it")
 
 
+# Every signal a PreemptionSignals handler took in this process (the launched worker asks after training
+# ended in an error whether its launcher already stopped it: trainer.launch.worker_main).
+SIGNALS_TAKEN: set[int] = set()
+
+
 class PreemptionSignals:
     """The flag the handlers set; installed from the main thread only (elsewhere: nothing is watched)."""
 
@@ -71,6 +76,7 @@ class PreemptionSignals:
         self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        SIGNALS_TAKEN.add(signum)
         if self.received is None:
             self.received, self._first_at = signal.Signals(signum), time.monotonic()
             return
