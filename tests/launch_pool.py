@@ -172,12 +172,13 @@ class LaunchPool:
         self.timings.append((f"job {job.module}", job.started - self.created, time.perf_counter() - job.started))
 
     def start(self, modules: set[str]) -> None:
-        """Start the jobs of `modules`, and launch, in a background thread and in `ensure`'s order, every run
-        `modules` registered."""
-        later = [self.jobs[module] for module in sorted(modules & set(self.jobs)) if self.jobs[module].after_launches]
-        for module in sorted(modules & set(self.jobs)):
-            if not self.jobs[module].after_launches:
-                self._start_job(self.jobs[module])
+        """Start the jobs of `modules` (those registered `after_launches` once the launches have ended), and
+        launch, in a background thread and in `ensure`'s order, every run `modules` registered."""
+        jobs = [self.jobs[module] for module in sorted(modules & set(self.jobs))]
+        for job in jobs:
+            if not job.after_launches:
+                self._start_job(job)
+        later = [job for job in jobs if job.after_launches]
         self.modules = modules
         order = [key for key in self._order() if self._batches(*key)]
         beside = [key for key in order if key == (0, 1)]  # the launch of one process (module docstring)
@@ -332,8 +333,8 @@ def _check_module_name(module: str) -> None:
 def kill_tree(pid: int) -> None:
     """SIGKILL a process started in its own session, its process group and every descendant.
 
-    The process group alone is not enough: the elastic agent starts each worker in a session of its own, so
-    a worker outlives a killed launcher, holds its output pipes open (`communicate` waits for them) and
+    The process group alone is not enough: a worker may run in a session of its own (torchrun's do), so it
+    outlives a killed launcher, holds its output pipes open (`communicate` waits for them) and
     waits on its peers for good (seen: a session ended by `-x` waited 10 minutes for such a worker)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

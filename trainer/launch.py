@@ -211,7 +211,7 @@ def launch(cfg: DictConfig, run_dir: Path, train: Callable[[DictConfig, Path], A
     preempted = [result["preempted"] for result in (results or {}).values()
                  if isinstance(result, dict) and "preempted" in result]
     if preempted:
-        from trainer.preemption import SIGNALS_TAKEN, TrainingPreempted
+        from trainer.preemption import TrainingPreempted
 
         first = preempted[0]
         raise TrainingPreempted(first["signal"], int(first["step"]), Path(first["checkpoint"]))
