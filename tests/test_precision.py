@@ -5,9 +5,9 @@
 - fp16 under ddp, zero3, tp=2 and pp=2, one 2-process torchrun launch: an inf put into ONE rank's
   gradients at step 3 makes every rank skip step 3 and halve the loss scale, leaves every rank's
   parameters bitwise unchanged by that step, and training goes on.
-- 100 steps of the tiny model: bf16 and fp16 stay within 3% of fp32's loss at every step, bf16_true
-  within 3% over 10-step windows (same data and initial weights). These run in this process while the
-  launch runs, so the two use both cores.
+- 100 steps of the tiny model (same data and initial weights as fp32): fp16 within 1% of fp32's loss at
+  every step, bf16 and fp16 within 1% over 5-step windows, bf16_true within 3% over 10-step windows (the
+  measured gaps are noted at the tests). These run in the session's launch of one process.
 - Incompatible precision/strategy picks fail at validation with one line naming both.
 """
 
@@ -292,28 +292,52 @@ def curve(runs: Path, name: str, metric: str = "train_loss") -> list[float]:
     return values
 
 
+def window_means(values: list[float], width: int) -> list[float]:
+    """The mean loss over consecutive windows of `width` steps (the curve's trend)."""
+    assert len(values) % width == 0, (len(values), width)
+    return [sum(values[i:i + width]) / width for i in range(0, len(values), width)]
+
+
+def relative_gaps(losses: list[float], reference: list[float]) -> list[float]:
+    return [abs(a - b) / b for a, b in zip(losses, reference, strict=True)]
+
+
+# Measured on 2026-12-01 (AMD EPYC with avx512_bf16, where oneDNN's bf16 matmuls use the native dot
+# products), largest gap to fp32 over the 100 steps:
+#   per step:              fp16 0.09%, bf16 3.2% (at a low-loss step: 1.604 vs 1.554), bf16_true 7.5%
+#   over 5-step windows:   fp16 0.02%, bf16 0.38%,                                    bf16_true 1.3%
+#   over 10-step windows:                                                             bf16_true 1.2%
+# One 16-token step's loss is sensitive to bf16's rounding of activations (CPUs without native bf16 kept
+# bf16 within 3% per step; this one does not), so mixed bf16 is held to its trend: 1% over 5-step windows,
+# 2.6x what was measured and below bf16_true's 1.3% (fp32 master weights lost would fail it). fp16, whose
+# 10 mantissa bits keep single steps close, is held per step: 1%, 10x the measured 0.09%.
+MIXED_WINDOW_GAP = 0.01
+FP16_STEP_GAP = 0.01
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
-def test_loss_curve_stays_within_3_percent_of_fp32_at_every_step(runs: Path, name: str) -> None:
+def test_mixed_precision_curve_tracks_fp32_over_5_step_windows(runs: Path, name: str) -> None:
     reference, losses = curve(runs, "fp32"), curve(runs, name)
     assert reference[-1] < reference[0] - 1.0  # the model learns, so the comparison means something
-    gaps = [abs(a - b) / b for a, b in zip(losses, reference, strict=True)]
-    assert max(gaps) < 0.03, (name, max(gaps), gaps.index(max(gaps)))
-    if name == "fp16":  # the scale is logged; no step of this run overflowed
-        assert curve(runs, name, "skipped") == [0] * 100 and set(curve(runs, name, "loss_scale")) == {4096}
+    gaps = relative_gaps(window_means(losses, 5), window_means(reference, 5))
+    assert max(gaps) < MIXED_WINDOW_GAP, (name, gaps)
+
+
+@pytest.mark.slow
+def test_fp16_curve_stays_within_1_percent_of_fp32_at_every_step(runs: Path) -> None:
+    gaps = relative_gaps(curve(runs, "fp16"), curve(runs, "fp32"))
+    assert max(gaps) < FP16_STEP_GAP, (max(gaps), gaps.index(max(gaps)))
+    # the scale is logged; no step of this run overflowed
+    assert curve(runs, "fp16", "skipped") == [0] * 100 and set(curve(runs, "fp16", "loss_scale")) == {4096}
 
 
 @pytest.mark.slow
 def test_bf16_true_curve_stays_within_3_percent_of_fp32_over_10_step_windows(runs: Path) -> None:
     """bf16 weights round every update and shift every activation a little, and the loss of one 16-token
-    sequence is sensitive to that: single steps differ from fp32's by up to ~7%. The trend, the mean
-    over windows of 10 steps, stays within 3%."""
-    reference, losses = curve(runs, "fp32"), curve(runs, "bf16_true")
-
-    def windows(values: list[float]) -> list[float]:
-        return [sum(values[i:i + 10]) / 10 for i in range(0, 100, 10)]
-
-    gaps = [abs(a - b) / b for a, b in zip(windows(losses), windows(reference), strict=True)]
+    sequence is sensitive to that: single steps differ from fp32's by up to ~7.5%. The trend, the mean
+    over windows of 10 steps, stays within 3% (measured 1.2%)."""
+    gaps = relative_gaps(window_means(curve(runs, "bf16_true"), 10), window_means(curve(runs, "fp32"), 10))
     assert max(gaps) < 0.03, gaps
 
 
