@@ -20,6 +20,9 @@ sys.dont_write_bytecode = False
 # session starts inherit it) changes no result. Measured beside other processes using both cores:
 # tests/test_models.py took 14.7 and 14.9 s of user CPU with it, 19.5 and 19.1 s without.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile's C++ builds in this process, not in a pool of compile workers that each import torch first:
+# the compiled-blocks test took 64 s alone with the pool (2 workers on this machine) and 46 s without.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Calibrated profiles (trainer/planner/profiles.py: plan.calibrate runs cache theirs, strategy=auto reads them)
 # go to a directory of the session's own, never the user's ~/.cache/trainer.
 os.environ["TRAINER_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trainer-test-cache-{os.getpid()}")
@@ -29,6 +32,8 @@ from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests import beside  # noqa: E402
 
 # Tests that must not run beside the shared launches (trainer.hang_timeout_s of a few seconds, straggler
 # timings, the launcher's rendezvous): they run last, in this order, after the launches have ended (their
@@ -55,24 +60,35 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     from tests.launch_pool import POOL
 
     pooled = {f"test_{module}.py" for module in POOL.modules_with_work()}
+    routed = {item.nodeid for item in beside.route(items)}
 
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> float:
         name = Path(str(item.fspath)).name
         if name in QUIET_MODULES:
             return 2 + QUIET_MODULES.index(name)
+        if item.nodeid in routed:  # they wait for the second process (tests/beside.py): the latest they can
+            return 1.5
         return 1 if name in pooled and _multi_process(item) else 0
 
     items.sort(key=rank)  # stable: each group keeps the collection order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the shared launches of the selected modules in the background (not for --collect-only)."""
-    if session.config.option.collectonly or not session.items:
+    """Start the shared launches of the selected modules in the background, and the process that runs the
+    `beside` tests (not for --collect-only, nor in that process: its tests read no launch)."""
+    if session.config.option.collectonly or not session.items or beside.inner():
         return
     from tests.launch_pool import POOL
 
     selected = {Path(str(item.fspath)).stem.removeprefix("test_") for item in session.items if _multi_process(item)}
     POOL.start(selected & POOL.modules_with_work())
+    routed = beside.route_of(session.items)
+    if routed:
+        beside.start(routed)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    beside.record(report)
 
 
 def _multi_process(item: pytest.Item) -> bool:

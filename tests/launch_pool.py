@@ -67,6 +67,8 @@ class Job:
     module: str
     command: list[str]
     after_launches: bool = False  # started once the launches have ended (`add_job`)
+    env: dict[str, str] = field(default_factory=dict)  # added to the session's environment
+    before: Optional[Callable[[], None]] = None  # runs in the session's process just before the start
     process: Optional[subprocess.Popen[str]] = None
     result: Optional[tuple[int, str]] = None  # exit code, output
     started: float = 0.0  # time.perf_counter() at its start
@@ -133,6 +135,13 @@ class LaunchPool:
         _check_module_name(module)
         self.jobs[module] = Job(module, command, after_launches)
 
+    def add_session_job(self, name: str, command: list[str], *, env: dict[str, str],
+                        before: Optional[Callable[[], None]] = None) -> None:
+        """Register and start now a job that belongs to the session rather than to one module (tests/beside.py:
+        the second pytest process); read with `job(name)`."""
+        self.jobs[name] = Job(name, command, env=env, before=before)
+        self._start_job(self.jobs[name])
+
     def job(self, module: str) -> tuple[int, str]:
         """Wait for `module`'s job (started now if it was not): its exit code and output."""
         job = self.jobs[module]
@@ -160,10 +169,12 @@ class LaunchPool:
                 return
             # into a file, not a pipe: nobody reads the job's output until a test needs its results
             self.jobs_root.mkdir(parents=True, exist_ok=True)
+            if job.before is not None:
+                job.before()
             job.started = time.perf_counter()
             with open(self._job_log(job), "w") as log:
                 job.process = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                               cwd=REPO, start_new_session=True)
+                                               cwd=REPO, env={**os.environ, **job.env}, start_new_session=True)
         threading.Thread(target=self._time_job, args=(job,), name=f"job-{job.module}", daemon=True).start()
 
     def _time_job(self, job: Job) -> None:

@@ -39,6 +39,7 @@ def _check(result: dict, out: str) -> None:
     assert "predicted" in out and "measured" in out
 
 
+@pytest.mark.beside
 def test_single_process_calibration_reports_both_columns_and_saves_the_profile(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "cpu_measured.yaml"
@@ -67,6 +68,7 @@ def test_a_saved_profile_reads_back_as_numbers_in_any_yaml_reader() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_two_process_calibration_through_the_cli(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "trainer", "strategy=ddp", "trainer.devices=2", "mode=plan",
                "plan.calibrate=true", *TINY, f"hydra.run.dir={tmp_path}"]

@@ -199,6 +199,7 @@ def test_planner_all_to_all_keeps_whole_sequence_scores_for_materialized_attenti
     assert a2a - ring == pytest.approx(a * s * b * (1024 * (2 + 1 + 2) - 4), rel=1e-12)
 
 
+@pytest.mark.beside
 def test_search_finds_context_parallel_layouts_for_a_sequence_one_gpu_cannot_hold() -> None:
     from trainer.planner import plan
 

@@ -61,6 +61,7 @@ def _record(rows: list[dict[str, str]]) -> list[tuple]:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_sigkill_during_metrics_writing_commit_and_training_then_resume_matches_an_uninterrupted_run(
         tmp_path: Path) -> None:
     """One run directory, three kills, each followed by resume=auto (the next launch, then the last resume

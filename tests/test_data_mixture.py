@@ -318,6 +318,7 @@ def test_megatron_and_nanogpt_files_train_like_our_format(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_mixture_on_2_ddp_processes_matches_one_process_and_resumes_its_checkpoint(tmp_path: Path) -> None:
     """One 2-process launch: the mixture trained with ddp gives the single-process losses, and a ddp run
     resumed from a single-process checkpoint (another data-parallel size) continues them."""

@@ -55,6 +55,7 @@ def test_without_a_limit_the_run_goes_on_skipping_every_non_finite_step(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_a_diverging_run_exits_4_with_one_line_and_says_so_in_status_json(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "trainer", *RUN, f"hydra.run.dir={run_dir}"],

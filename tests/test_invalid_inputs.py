@@ -245,6 +245,7 @@ def test_full_error_shows_the_traceback(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_real_processes_exit_with_one_line(tmp_path: Path) -> None:
     """The real `python -m trainer` processes of issue 15's report 6 (one line, exit 2, no run directory;
     the error used to come from inside Hydra's app) and report 2 (exit 3 before anything is allocated)."""

@@ -455,6 +455,7 @@ UNFIT = ["model=llama3_8b", "hardware=h100_80g", "trainer.devices=8", "trainer.s
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_unfit_config_exits_nonzero_says_what_is_short_and_suggests_what_fits(tmp_path: Path) -> None:
     chart = tmp_path / "memory.png"
     command = [sys.executable, "-m", "trainer", *UNFIT, "mode=plan", "plan.format=json", "plan.exact=false",

@@ -53,6 +53,7 @@ def trainer_command(run_dir: Path, *overrides: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_ctrl_c_of_a_launched_run_saves_ends_in_seconds_with_status_75_and_resume_continues(tmp_path: Path) -> None:
     """SIGINT to the launcher of 2 ddp workers (Ctrl-C): forwarded, the workers agree, save and return; the
     launcher ends without waiting out the elastic agent's 30 s grace, one line, no traceback, exit 75,
@@ -96,6 +97,7 @@ def test_ctrl_c_of_a_launched_run_saves_ends_in_seconds_with_status_75_and_resum
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_sigterm_of_a_single_process_run_and_a_full_disk_each_end_with_one_line_and_their_status(
         tmp_path: Path) -> None:
     """One process, the default callbacks (no checkpoint manager): SIGTERM before step 3 -> exit 75,

@@ -137,6 +137,7 @@ def test_data_vocabulary_larger_than_model_is_a_clear_error(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_compiled_blocks_match_eager(tmp_path: Path) -> None:
     _, eager = run(tmp_path / "eager", "trainer.max_steps=3")
     _, compiled = run(tmp_path / "compiled", "trainer.max_steps=3", "trainer.compile=true")
@@ -152,6 +153,7 @@ def cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subpro
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_cli_run_prints_progress_and_summary_path(tmp_path: Path) -> None:
     result = cli(tmp_path)
     assert result.returncode == 0, result.stderr
@@ -165,6 +167,7 @@ def test_cli_run_prints_progress_and_summary_path(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_console_script_is_installed() -> None:
     exe = shutil.which("trainer")
     assert exe is not None, "pip install -e . should put `trainer` on PATH"
@@ -173,6 +176,7 @@ def test_console_script_is_installed() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(tmp_path / "home")  # no netrc login: wandb must stay offline

@@ -77,6 +77,7 @@ TINY = ["trainer.max_steps=1", "trainer.seq_len=32", "trainer.val_every=0", "tra
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_a_second_run_in_the_same_directory_is_one_line_and_writes_nothing_there(tmp_path: Path) -> None:
     """The directory of a live run (this test process holds its lock): the second run exits 2 with one line
     before Hydra or the trainer writes anything into it. Then, the holder gone, a run takes the lock over,

@@ -47,6 +47,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_four_job_sweep_with_multiprocess_jobs_survives_a_failing_job_and_is_summarized(tmp_path: Path) -> None:
     case_dir = tmp_path / "conf" / "case"
     case_dir.mkdir(parents=True)
@@ -102,6 +103,7 @@ def test_four_job_sweep_with_multiprocess_jobs_survives_a_failing_job_and_is_sum
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_jobs_the_planner_says_do_not_fit_are_skipped_before_launch(tmp_path: Path) -> None:
     """With sweep.skip_unfit=true a job the planner rejects does not run and is `skipped_unfit`."""
     sweep = tmp_path / "sweep"
@@ -122,6 +124,7 @@ def test_jobs_the_planner_says_do_not_fit_are_skipped_before_launch(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_optuna_sweeper_on_the_submitit_local_launcher(tmp_path: Path) -> None:
     """The ready configs: one Optuna trial, run as a submitit job in its own process."""
     sweep = tmp_path / "sweep"
