@@ -40,6 +40,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.checkpoint.storage import UnsafeCheckpointError, read_metadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from tests.launch_pool import POOL
 from trainer.config import compose
 from trainer.preemption import PreemptionSignals, TrainingPreempted
@@ -518,6 +519,39 @@ def test_retention_keeps_the_last_the_best_and_the_milestones() -> None:
     entries.append((80, Path("step_80"), {}))  # not validated (yet)
     kept = {int(p.name.split("_")[1]) for p in policy.keep(entries)}
     assert kept == {70, 80} | {40, 50} | {30, 60}
+
+
+class SlowCopy(DefaultStager):
+    """A background stager whose copy to host memory starts 0.3 s late: the next step's optimizer step
+    would change the weights before they are copied unless the loop waits for the copy."""
+
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)
+        return super()._stage(state_dict, **kwargs)
+
+
+def test_a_background_copy_holds_the_saved_step_and_the_loop_waits_for_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous saves copy the state in the background (trainer.checkpoint.io.background_stager) while
+    the next step computes; its optimizer step waits for the copy. The checkpoint of step 4 then resumes to the
+    uninterrupted run's losses bitwise, and each asynchronous save's stall counts the wait."""
+    import trainer.plugins.callbacks.checkpoint as manager_module
+
+    monkeypatch.setattr(manager_module, "background_stager",
+                        lambda device_type: SlowCopy(StagingOptions(False, False, True, False)))
+    steps = ["trainer.max_steps=8", "trainer.val_every=0", "callbacks.checkpoint.every_n_steps=4",
+             "callbacks.checkpoint.keep_last=3"]
+    straight = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + steps), tmp_path / "straight")
+    summary = straight.fit()
+    saves = summary["checkpoints"]["saves"]
+    assert [(s["step"], s["asynchronous"]) for s in saves] == [(4, True), (8, True)]
+    assert saves[0]["wait_s"] >= 0.2, saves  # the step after the save waited for the late copy
+    resumed_dir = tmp_path / "resumed"
+    resumed = build_trainer(compose(BASE + SINGLE + CHECKPOINTS + steps + [
+        f"resume={tmp_path / 'straight' / 'checkpoints' / 'step_00000004'}"]), resumed_dir)
+    resumed.fit()
+    expected = {step: loss for step, loss in column(tmp_path / "straight").items() if step > 4}
+    assert column(resumed_dir) == expected and len(expected) == 4
 
 
 def test_manager_saves_on_time_and_steps_and_prunes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -14,8 +14,9 @@ In-memory snapshots (`in_memory_every`, trainer/checkpoint/memory.py): every N s
 shard into host shared memory and a replica of it onto its peer; a job restarted by the elastic agent
 resumes from the newest one without reading the disk. They are removed at the end of the run.
 
-Saves are asynchronous by default (`async_save`): the state is copied to host memory, the loop goes on,
-and a background thread writes it; rank 0 commits it (manifest, rename) only after every rank's write, so a
+Saves are asynchronous by default (`async_save`): background threads copy the state to host memory (the
+loop goes on with the next step's forward and backward, and waits for the copy before its optimizer step)
+and then write it; rank 0 commits it (manifest, rename) only after every rank's write, so a
 crash during the write leaves an uncommitted `.partial` directory that resume never takes. Synchronous
 (the loop waits for the write and the commit): the save at the end (`save_last`), on a preemption signal
 and after an exception (the process is about to exit: the checkpoint must be committed before it does),
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from trainer import recovery
 from trainer.callback import CheckpointProvider
-from trainer.checkpoint.io import PendingCheckpoint, finish_checkpoint, save_checkpoint
+from trainer.checkpoint.io import PendingCheckpoint, background_stager, finish_checkpoint, save_checkpoint
 from trainer.checkpoint.memory import remove_snapshots, save_snapshot, snapshot_root
 from trainer.checkpoint.manifest import (
     CheckpointError,
@@ -74,11 +75,12 @@ class SaveRecord:
     step: int
     reason: str
     asynchronous: bool
-    # The save call: a synchronous save's whole write and commit; an asynchronous one's copy of the state to
-    # host memory and the hand-over to the writing thread (with the space check and the metrics flush).
+    # The save call: a synchronous save's whole write and commit; an asynchronous one's collection of the
+    # state, space check, metrics flush and hand-over of the copy to host memory and the write to background
+    # threads.
     call_s: float
-    # Later waits of the loop for this save's background write to end: the next save, `latest_checkpoint`,
-    # the end of fit (0 when it had ended by then).
+    # Later waits of the loop for this save: for its copy to host memory before the next optimizer step, for
+    # its write at the next save, `latest_checkpoint` or the end of fit (0 when they had ended by then).
     wait_s: float = 0.0
     # Asynchronous: from the hand-over to the end of the write on rank 0 and its commit (the loop trained
     # meanwhile).
@@ -149,6 +151,7 @@ class CheckpointManager(CheckpointProvider):
         self.last_saved_step: Optional[int] = None
         self._trainer: Optional["Trainer"] = None
         self._pending: Optional[PendingCheckpoint] = None
+        self._stager: Any = None  # the asynchronous saves' (trainer.checkpoint.io.background_stager), for one fit
         self._async_group: Any = None
         self._agreement_group: Any = None
         self._last_save_time = time.monotonic()
@@ -248,7 +251,7 @@ class CheckpointManager(CheckpointProvider):
         # Stays set if the save raises: the failure handler must not try to save again.
         self._saving = True
         result = save_checkpoint(trainer, path, reason=reason, metrics=metrics, asynchronous=asynchronous,
-                                 process_group=self._async_group)
+                                 process_group=self._async_group, stager=self._stager if asynchronous else None)
         self._saving = False
         self.last_saved_step = trainer.step
         self._last_save_time = time.monotonic()
@@ -283,8 +286,9 @@ class CheckpointManager(CheckpointProvider):
         if not trainer.is_global_zero:
             return
         if record.asynchronous:
-            cost = (f"the loop stalled {record.stall_s:.2f} s ({record.call_s:.2f} s copying the state to host memory, "
-                    f"{record.wait_s:.2f} s waiting for the write); written in the background in {record.write_s:.2f} s")
+            cost = (f"the loop stalled {record.stall_s:.2f} s ({record.call_s:.2f} s in the save call, {record.wait_s:.2f} s "
+                    f"waiting for its copy to host memory and its write); written in the background in "
+                    f"{record.write_s:.2f} s")
         else:
             cost = f"the loop stalled {record.stall_s:.2f} s"
         log.info(f"checkpoint saved: {path} ({record.reason}, {'asynchronous' if record.asynchronous else 'synchronous'}): "
@@ -319,6 +323,9 @@ class CheckpointManager(CheckpointProvider):
             # that they never interleave with the loop's on the training group, of any size (new_group is
             # collective: every rank is here).
             self._async_group = dist.new_group(backend="gloo")
+        self._close_stager()
+        if self.async_save:
+            self._stager = background_stager(trainer.strategy.device.type)
         if _distributed():
             # The failure rendezvous and the snapshots' bytes get dedicated gloo groups too.
             if self.save_on_exception:
@@ -357,6 +364,20 @@ class CheckpointManager(CheckpointProvider):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
             flags = [bool(v) for v in tensor.tolist()]
         return flags[0], pending and not flags[1]
+
+    def on_before_optimizer_step(self, trainer: "Trainer", optimizer: torch.optim.Optimizer) -> None:
+        """The step changes the parameters and the optimizer's state: an asynchronous save's copy of them to
+        host memory, running in the background since the save, must be complete (the wait is that save's
+        stall)."""
+        pending = self._pending
+        if pending is None or pending.staged():
+            return
+        record = next(r for r in reversed(self.saves) if r.step == pending.step and r.asynchronous)
+        start = time.perf_counter()
+        try:
+            pending.wait_staged()
+        finally:
+            record.wait_s += time.perf_counter() - start
 
     def on_train_batch_end(self, trainer: "Trainer", outputs: dict[str, Any]) -> None:
         if trainer.recovery is not None and "first_step_end" not in trainer.recovery:
@@ -407,6 +428,7 @@ class CheckpointManager(CheckpointProvider):
             self.save(trainer, "end", asynchronous=False)
         if self._pending is not None:
             self._finish_pending()
+        self._close_stager()
         if self.in_memory_every is not None:
             # the run ended normally: its state is on disk (save_last) or the user chose not to keep it
             remove_snapshots(snapshot_root(trainer.run_dir), trainer.strategy.rank)
@@ -416,7 +438,18 @@ class CheckpointManager(CheckpointProvider):
                          f"(rank 0)")
         trainer.checkpoint_figures = save_figures(self.saves, self.snapshot_stalls)
 
+    def _close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()  # its thread ends once a copy in progress has (the write keeps its tensors)
+            self._stager = None
+
     def on_exception(self, trainer: "Trainer", exception: BaseException) -> None:
+        try:
+            self._save_after_failure(trainer, exception)
+        finally:
+            self._close_stager()
+
+    def _save_after_failure(self, trainer: "Trainer", exception: BaseException) -> None:
         pending, self._pending = self._pending, None
         shutting_down = _distributed() and trainer.preemption.received is not None
         if pending is not None and not isinstance(exception, KeyboardInterrupt) and not shutting_down:

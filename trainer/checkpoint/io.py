@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint import space
 from trainer.checkpoint.manifest import (
@@ -113,10 +114,23 @@ def collect_state(trainer: "Trainer") -> dict[str, Any]:
     return state
 
 
+def background_stager(device_type: str) -> DefaultStager:
+    """The stager of a run's asynchronous saves: it copies the state to host memory in a thread of its own
+    (the loop goes on with the next step's forward and backward meanwhile, and waits for the copy before its
+    optimizer step: `PendingCheckpoint.wait_staged`), into host buffers it keeps from one save to the next
+    (one pass over the bytes; pinned, and copied on a stream of its own, on a GPU). Closed by its owner
+    at the end of the run."""
+    on_gpu = device_type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=on_gpu))
+
+
 class PendingCheckpoint:
     """An asynchronous save in flight: this rank's shards are being written in a background thread.
 
-    The state was copied to host memory before this object existed, so training may change its tensors.
+    The state is copied to host memory first, in the background too when the save was given a stager
+    (`background_stager`): until `staged()`, the state's tensors must not change, so the loop calls
+    `wait_staged()` before its optimizer step. Then training may change them.
     Rank 0 commits the checkpoint (manifest, rename) from the completion of DCP's write, which is collective:
     DCP's coordinator writes the metadata and completes only once every rank reported its shards written
     (and fsynced). A rank killed while writing therefore leaves the `.partial` directory uncommitted, which
@@ -125,7 +139,8 @@ class PendingCheckpoint:
     """
 
     def __init__(self, future: Future, partial: Path, path: Path, manifest: dict[str, Any],
-                 config_yaml: Optional[str], committer: bool, needed: int = 0) -> None:
+                 config_yaml: Optional[str], committer: bool, needed: int = 0,
+                 staging: Optional[Future] = None) -> None:
         self.path = path
         self.partial = partial
         self.step = int(manifest["step"])
@@ -135,6 +150,7 @@ class PendingCheckpoint:
         self.write_s: Optional[float] = None
         self._submitted = time.perf_counter()
         self._future = future
+        self._staging = staging  # None: staged before this object existed
         self._committer = committer
         self._finished = threading.Event()
         self._error: Optional[BaseException] = None
@@ -154,6 +170,20 @@ class PendingCheckpoint:
 
     def done(self) -> bool:
         return self._finished.is_set()
+
+    def staged(self) -> bool:
+        """Whether the state's copy in host memory is complete (the live tensors may change)."""
+        return self._staging is None or self._staging.done()
+
+    def wait_staged(self) -> None:
+        """Block until the copy to host memory is complete; CheckpointError if it failed (the write then
+        fails too, and `wait` reports it)."""
+        if self._staging is None:
+            return
+        try:
+            self._staging.result()
+        except Exception as error:  # noqa: BLE001 - reported as the save's failure
+            raise CheckpointError(f"copying the state of step {self.step} to host memory failed: {error}") from error
 
     def wait(self, timeout: Optional[float] = None) -> Path:
         """Block until this rank's write (rank 0: and the commit) ended; CheckpointError if the save failed,
@@ -194,7 +224,7 @@ def finish_checkpoint(trainer: "Trainer", pending: PendingCheckpoint) -> Path:
 
 def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manual",
                     metrics: Optional[dict[str, float]] = None, asynchronous: bool = False,
-                    process_group: Any = None) -> Path | PendingCheckpoint:
+                    process_group: Any = None, stager: Optional[DefaultStager] = None) -> Path | PendingCheckpoint:
     """Save the whole training state to `path` (collective; atomic).
 
     Every rank writes its shards into a hidden `.partial` sibling; once all have finished, rank 0 writes
@@ -202,15 +232,18 @@ def save_checkpoint(trainer: "Trainer", path: Path | str, *, reason: str = "manu
     `asynchronous`, the state is copied to host memory, written in a background thread over
     `process_group` (a gloo group other than the training one: the thread's collectives must not
     interleave with the loop's), and a PendingCheckpoint is returned, committed by rank 0 once every rank
-    has written (`finish_checkpoint` waits for it). Its time is not training time: the run's tokens/s
-    leaves it out (`Trainer.untimed`).
+    has written (`finish_checkpoint` waits for it). With a `stager` (`background_stager`) the copy to host
+    memory happens in the background too (the caller waits for it before changing the state:
+    `PendingCheckpoint.wait_staged`); without one, before this returns. Its time is not training time: the
+    run's tokens/s leaves it out (`Trainer.untimed`).
     """
     with trainer.untimed():
-        return _save_checkpoint(trainer, Path(path), reason, metrics, asynchronous, process_group)
+        return _save_checkpoint(trainer, Path(path), reason, metrics, asynchronous, process_group, stager)
 
 
 def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optional[dict[str, float]],
-                     asynchronous: bool, process_group: Any) -> Path | PendingCheckpoint:
+                     asynchronous: bool, process_group: Any,
+                     stager: Optional[DefaultStager]) -> Path | PendingCheckpoint:
     strategy = trainer.strategy
     partial = partial_path(path)
     error: Optional[BaseException] = None
@@ -233,9 +266,11 @@ def _save_checkpoint(trainer: "Trainer", path: Path, reason: str, metrics: Optio
     if asynchronous:
         with dcp_call() as no_dist:
             response = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=process_group,
-                                      no_dist=no_dist)
+                                      async_stager=stager, no_dist=no_dist)
+        # with a stager whose copy runs in the background: an AsyncSaveResponse (staging, then upload)
         future = getattr(response, "upload_completion", response)
-        return PendingCheckpoint(future, partial, path, manifest, config_yaml, strategy.is_global_zero, needed)
+        return PendingCheckpoint(future, partial, path, manifest, config_yaml, strategy.is_global_zero, needed,
+                                 staging=getattr(response, "staging_completion", None))
     try:
         with dcp_call() as no_dist:
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
