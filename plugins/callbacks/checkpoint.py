@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from trainer import recovery
 from trainer.callback import CheckpointProvider
@@ -151,7 +152,7 @@ class CheckpointManager(CheckpointProvider):
         self.last_saved_step: Optional[int] = None
         self._trainer: Optional["Trainer"] = None
         self._pending: Optional[PendingCheckpoint] = None
-        self._stager: Any = None  # the asynchronous saves' (trainer.checkpoint.io.background_stager), for one fit
+        self._stager: Optional[DefaultStager] = None  # the asynchronous saves' (io.background_stager), for one fit
         self._async_group: Any = None
         self._agreement_group: Any = None
         self._last_save_time = time.monotonic()
