@@ -3,7 +3,7 @@
 The session's own process runs its tests one after another, and the tests that start real `python -m
 trainer` processes and wait for them (kills and resumes, Ctrl-C, calibration, sweeps, torch.compile's C++
 builds) kept it busy for most of the suite while the launches beside it had ended (measured on 2026-12-01:
-the session's process ended 270 s after the last launch, the machine half idle for the last 160 s). A test
+the session's process ended 270 s after the last launch and 160 s after the last job). A test
 marked `@pytest.mark.beside` is run by a second pytest process that the session starts with its launches
 (tests/launch_pool.py, `start`); in the session's own process the test waits for that process and reports
 the outcome it recorded there: passed, failed with the second process's failure text, or skipped with its
