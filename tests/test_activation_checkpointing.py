@@ -330,6 +330,26 @@ def test_selective_under_the_zero_bubble_schedule_fails_at_validation() -> None:
     assert error.value.key == "activation_checkpointing"
 
 
+
+MOE_EP = ["model=tiny_moe", "model.n_experts=4", "trainer.devices=4", "trainer.seq_len=128",
+          "trainer.global_batch_size=16", "trainer.micro_batch_size=2",
+          "activation_checkpointing=selective"]
+
+
+@pytest.mark.parametrize("strategy", [["strategy=zero3", "ep=4"], ["strategy=3d", "pp=2", "ep=2"],
+                                      ["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=ddp"]])
+def test_selective_with_experts_in_their_own_fsdp_units_fails_at_validation(strategy: list[str]) -> None:
+    # these trained into "profiler._record_function_enter_new ... not found in storage" in the first backward
+    with pytest.raises(ConfigError, match="selective cannot run with ep=. under strategy=(zero3|3d): the experts' "
+                                          "own FSDP2 unit") as error:
+        validate(compose([*MOE_EP, *strategy]))
+    assert error.value.key == "activation_checkpointing"
+
+
+@pytest.mark.parametrize("strategy", [["strategy=ddp", "ep=4"], ["strategy=zero2", "ep=4"], ["strategy=zero3"]])
+def test_selective_with_experts_that_stay_in_the_block_validates(strategy: list[str]) -> None:
+    validate(compose([*MOE_EP, *strategy]))  # each trained 2 steps on 4 processes (measured)
+
 def test_full_is_every_n_with_n_1() -> None:
     model = build_meta_model(LlamaConfig(**SMALL_LLAMA))
     EveryNthCheckpointing(n=1).apply(model)

@@ -124,7 +124,18 @@ class SelectiveCheckpointing(ActivationCheckpointing):
         del ctx, args, kwargs
         return CheckpointPolicy.MUST_SAVE if op in self.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def check_strategy(self, strategy: Any) -> None:
+    def check_strategy(self, strategy: Any, ep: int = 1) -> None:
+        # Experts wrapped as FSDP2 units of their own (zero3/fsdp and 3d under ep > 1) run their unit's hooks
+        # inside the checkpointed block: the recompute gathers their weights again, ops the forward did not
+        # record, and torch's selective-checkpoint cache refuses the replay (measured on 4 gloo processes,
+        # tiny_moe with 4 experts: zero3 ep=4 and 3d pp=2 ep=2 fail in the first backward with
+        # "profiler._record_function_enter_new ... not found in storage"; ddp and zero2 with ep=4 train).
+        if ep > 1 and strategy.wraps_experts_apart:
+            raise ValueError(f"activation_checkpointing=selective cannot run with ep={ep} under "
+                             f"strategy={strategy.name}: the experts' own FSDP2 unit gathers their weights "
+                             "inside each checkpointed block, again in its recompute, which torch's selective "
+                             "checkpointing refuses; pick activation_checkpointing=full, every_n or attention, "
+                             "or strategy=ddp / zero1 / zero2 with ep")
         # The zero-bubble schedules (zero_bubble, zbv, dualpipev) run each stage's backward twice (input
         # gradients, then weight gradients, two autograd passes over one forward); torch's selective-checkpoint
         # cache serves one backward only.

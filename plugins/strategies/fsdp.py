@@ -203,6 +203,7 @@ class FSDP(DistributedStrategy):
 
     name = "fsdp"
     supports_ep = True
+    wraps_experts_apart = True  # shard_experts
     gathers_parameters = True  # type: ignore[assignment]
 
     def __init__(self, sharding: str = "full_shard", *, init: str = "auto", name: Optional[str] = None,

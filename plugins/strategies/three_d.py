@@ -90,6 +90,7 @@ class ThreeD(DistributedStrategy):
     uses_tp = True
     uses_pp = True
     supports_ep = True
+    wraps_experts_apart = True  # shard_experts, or wrap_replicate's experts
 
     def __init__(self, data_parallel: str = "fsdp", *, schedule: str = "1f1b", virtual_stages: int = 1,
                  layers_per_stage: Optional[Sequence[int]] = None, embedding_weight: float = 1.0,

@@ -305,7 +305,7 @@ def _validate_activation_checkpointing(cfg: DictConfig, policy: "ActivationCheck
 
     try:
         policy.check_model(int(cfg.model.n_layers))
-        policy.check_strategy(strategy)
+        policy.check_strategy(strategy, int(cfg.get("ep", 1)))
     except (ValueError, InstantiationException) as error:
         raise _plugin_error("activation_checkpointing", error) from None
 

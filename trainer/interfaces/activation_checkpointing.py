@@ -36,10 +36,10 @@ class ActivationCheckpointing:
         (called by config validation, before any process starts)."""
         del num_layers
 
-    def check_strategy(self, strategy: "Strategy") -> None:
+    def check_strategy(self, strategy: "Strategy", ep: int = 1) -> None:
         """Raise ValueError, naming both, when the (instantiated, not yet set up) strategy cannot run this
-        policy (called by config validation)."""
-        del strategy
+        policy with `ep`-way expert parallelism (called by config validation)."""
+        del strategy, ep
 
     def apply(self, model: nn.Module) -> None:
         """Replace the model's blocks (its family's checkpointing units; a pipeline stage's own)."""

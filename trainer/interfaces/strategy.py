@@ -75,6 +75,10 @@ class Strategy:
     uses_cp: bool = False
     # Whether the strategy can split MoE experts over data-parallel ranks (`ep` > 1).
     supports_ep: bool = False
+    # Whether, under ep > 1, each MoE layer's experts become an FSDP2 unit (`fully_shard` or `replicate`) of
+    # their own inside the transformer block: their hooks then gather and free weights inside an
+    # activation-checkpointed region.
+    wraps_experts_apart: bool = False
 
     @property
     def gathers_parameters(self) -> bool:
