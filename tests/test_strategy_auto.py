@@ -85,6 +85,27 @@ def test_the_pick_is_the_fastest_predicted_that_fits_and_the_same_each_time() ->
     assert first.layout_overrides[0].startswith("strategy=") and first.fitting > 10
 
 
+def test_trials_are_the_best_of_each_of_the_best_parallel_layouts() -> None:
+    request = parse_request(["strategy=auto", "trainer.devices=4", "mode=plan", "trainer.seq_len=64",
+                             "plan.trials=3"])
+    cfg = compose([*request.base, "mode=plan"])
+    hardware, options = hardware_from_config(cfg), auto.plan_options(cfg)
+    choice = choose(request, hardware, options, mode="plan", trials=3)
+    _, _, _, _, ranked = auto.ranked_layouts(request, hardware, options)
+    # the best predicted layout of each parallel layout, in the order of the ranking
+    best_of: dict[tuple[Any, ...], list[str]] = {}
+    for layout, _ in ranked:
+        best_of.setdefault(auto.parallel_layout(layout), layout_overrides(layout))
+    expected = list(best_of.values())[:3]
+    assert len(best_of) > 3 and len(choice.trials) == 3
+    for trial, wanted in zip(choice.trials, expected, strict=True):
+        assert trial == wanted
+    assert choice.trials[0] == choice.layout_overrides  # the planner's pick is measured too
+    # the runner-up stays the second best predicted overall, whatever its parallel layout
+    second = next(layout_overrides(lay) for lay, _ in ranked if layout_overrides(lay) != choice.layout_overrides)
+    assert choice.runner_up_overrides == second
+
+
 def test_pins_are_kept() -> None:
     choice = _settle(["trainer.devices=4", "mode=plan", "trainer.seq_len=64", "tp=2",
                       "activation_checkpointing=full", "trainer.micro_batch_size=2"])

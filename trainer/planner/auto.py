@@ -16,8 +16,9 @@ overrides, from which the run composes, validates and instantiates the concrete 
 3. The candidates: plan.search's space (`search.candidate_layouts`), those keeping the pins, ranked by
    `search.rank_candidates` (estimated tokens/s among those that fit with `plan.headroom`); the best are
    composed and validated with `search.layout_overrides`, the first that validates runs, the next is the
-   runner-up. With `plan.trials=K` the top K go to the workers, which measure each for a few steps and run
-   the fastest (trainer/planner/trials.py).
+   runner-up. With `plan.trials=K` the best predicted of each of the K best predicted parallel layouts
+   (`parallel_layout`) go to the workers, which measure each for a few steps and run the fastest
+   (trainer/planner/trials.py).
 4. An impossible pin is one line naming the constraint that fails and the nearest layout that fits.
 
 The launcher process decides (one process, so every rank gets the same layout); the choice is recorded
@@ -329,18 +330,32 @@ def _run_preference(item: tuple[Layout, list[Any]]) -> tuple[int, int, float]:
     return round(math.log(max(step, 1e-12)) / math.log1p(TIE)), policy, max(e.device["total"] for e in estimates)
 
 
+def parallel_layout(layout: Layout) -> tuple[Any, ...]:
+    """What `plan.trials` keeps apart: the strategy and the sizes and flavours of the parallel dimensions
+    (not the micro-batch size or the checkpointing policy)."""
+    return (layout.strategy, layout.tp, layout.pp, layout.cp, layout.ep, layout.dp_flavour, layout.schedule,
+            layout.virtual_stages, layout.cp_method if layout.cp > 1 else None)
+
+
 def choose(request: Request, hardware: HardwareConfig, options: PlanOptions, *, mode: str, trials: int = 0,
            profile: str = "") -> AutoChoice:
     """The layout to run: the fastest predicted that fits, keeps the pins and validates (and with `trials`
     the K best, for the workers to measure). A function of its arguments only: the same request, hardware
     and options give the same choice."""
     inv, base, tp_sizes, space, ranked = ranked_layouts(request, hardware, options)
-    picked: list[tuple[Layout, list[Any], list[str]]] = []
+    picked: list[tuple[Layout, list[Any], list[str]]] = []  # validated, best predicted first: run, runner-up
+    # The trials: the best predicted of each of the `trials` best predicted parallel layouts. The time model's
+    # errors are largest between parallel layouts (measured on a 2-core CPU: tp and ep far slower than
+    # predicted, pipelines faster), so measuring K of them finds more than measuring one layout K times at
+    # micro-batch sizes and checkpointing policies the model already ranks within a few percent.
+    trial_picks: list[tuple[Layout, list[Any], list[str]]] = []
+    groups: set[tuple[Any, ...]] = set()
     seen: set[tuple[str, ...]] = set()
     rejected, first_error = 0, ""
     for layout, estimates in ranked:
         overrides = layout_overrides(layout)
-        if tuple(overrides) in seen:
+        group = parallel_layout(layout)
+        if tuple(overrides) in seen or (len(picked) >= 2 and group in groups):
             continue
         seen.add(tuple(overrides))
         error = validation_error(request, overrides, mode)
@@ -350,8 +365,12 @@ def choose(request: Request, hardware: HardwareConfig, options: PlanOptions, *, 
             if rejected >= MAX_REJECTED and not picked:
                 break
             continue
-        picked.append((layout, estimates, overrides))
-        if len(picked) >= max(2, trials):
+        if len(picked) < 2:
+            picked.append((layout, estimates, overrides))
+        if group not in groups and len(trial_picks) < trials:
+            groups.add(group)
+            trial_picks.append((layout, estimates, overrides))
+        if len(picked) >= 2 and len(trial_picks) >= trials:
             break
     if not picked:
         if ranked:  # layouts fit, keeping the pins, but their command lines do not validate
@@ -382,7 +401,7 @@ def choose(request: Request, hardware: HardwareConfig, options: PlanOptions, *, 
         choice.runner_up_step_time_s = second_step
         choice.reason += f"; runner-up {second_step * 1e3:.1f} ms ({second_step / step - 1:+.1%})"
     if trials > 0:
-        chosen = picked[:trials]
+        chosen = trial_picks
         choice.trials = [o for _, _, o in chosen]
         choice.trial_descriptions = [describe(lay) for lay, _, _ in chosen]
         choice.trial_predicted_s = [e[0].timing.step_time_s for _, e, _ in chosen]
