@@ -4,8 +4,8 @@ files), retention policies and safe loading.
 Exact resume compares STEPS = 12 steps straight with HALF = 6 steps + a resume for the other 6 (the
 issue's numbers). Multi-process runs are batched into three launches: 4 processes (zero3 exact resume;
 the zero3 checkpoint resumed under 3d tp=2 x dp=2 with ZeRO-1, which then saves for a single-process
-resume), 2 processes (ddp stopped by SIGTERM on one rank, zero1 with synchronous saves and pp exact
-resume; the zero3 checkpoint resumed under pp=2), and one `python -m trainer trainer.max_restarts=2` job
+resume), 2 processes (ddp stopped by SIGTERM on one rank, zero1 with synchronous saves, pp and pp under
+DualPipeV's V placement exact resume; the zero3 checkpoint resumed under pp=2), and one `python -m trainer trainer.max_restarts=2` job
 whose rank 1 is SIGKILLed twice. The 3d exact resume (pp=2 x dp=2 x tp=2) runs in tests/test_three_d.py's
 8-process launch.
 """
@@ -61,6 +61,9 @@ TWO = {
     "ddp": ["strategy=ddp", "trainer.devices=2", "trainer.micro_batch_size=4"],
     "zero1_sync": ["strategy=zero1", "trainer.devices=2", "trainer.micro_batch_size=4"],
     "pp": ["strategy=pp", "pp=2", "trainer.devices=2", "trainer.micro_batch_size=4"],
+    # the V placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2) under DualPipeV's 4 micro-batches
+    "pp_dualpipev": ["strategy=pp", "pp=2", "strategy.schedule=dualpipev", "strategy.virtual_stages=2",
+                     "model.n_layers=4", "trainer.devices=2", "trainer.micro_batch_size=2"],
 }
 # Options of the manager in the interrupted run: saves are asynchronous by default, zero1's synchronous.
 MANAGER_OPTIONS = {"zero1_sync": ["callbacks.checkpoint.async_save=false"]}
