@@ -291,14 +291,6 @@ INVALID = [
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipev", "strategy.virtual_stages=2"],
      "strategy: micro-batches per step = trainer.global_batch_size / (trainer.micro_batch_size x dp) = 2, but "
      "schedule=dualpipev needs at least as many as its 2 x pp = 4 stages"),
-    (["strategy=3d", "pp=2", "trainer.devices=4", "strategy.schedule=zbv", "strategy.virtual_stages=2",
-      "trainer.micro_batch_size=4"],
-     "strategy: schedule=zbv splits each backward into input- and weight-gradient passes, and torch's weight pass "
-     "does not reach the parameters of a stage that data_parallel=fsdp wraps (dp x cp = 2)"),
-    (["strategy=3d", "pp=2", "trainer.devices=4", "strategy.schedule=zero_bubble", "strategy.virtual_stages=2",
-      "model.n_layers=4", "trainer.micro_batch_size=4"],
-     "strategy: schedule=zero_bubble splits each backward into input- and weight-gradient passes, and torch's "
-     "weight pass does not reach the parameters of a stage that the sharded data_parallel=fsdp wraps (dp x cp = 2)"),
     (["strategy=pp", "pp=2", "trainer.devices=2", "strategy.schedule=dualpipe"],
      "strategy: schedule must be one of gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
     (["model=llama2_7b", "strategy=3d", "tp=3", "pp=2", "trainer.devices=12", "trainer.micro_batch_size=2"],
@@ -341,6 +333,17 @@ def test_invalid_config_has_one_clear_line(overrides: list[str], expected: str,
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ")
     assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
+def test_split_backward_schedules_pass_validation_with_every_3d_data_parallel_flavour(schedule: str) -> None:
+    """pp=2 x dp=2 (and x ep=2, which borrows the data-parallel ranks): the parity runs of tests/test_pipeline.py
+    and tests/test_moe.py cover zero1, zero3 and fsdp (and ddp with the MoE); a refusal here would be a regression."""
+    for data_parallel in ("ddp", "zero1", "shard_grad_op", "zero3", "fsdp"):
+        for extra in ([], ["model=tiny_moe", "ep=2"]):
+            validate(compose(["strategy=3d", "pp=2", "trainer.devices=4", f"strategy.schedule={schedule}",
+                              "strategy.virtual_stages=2", "model.n_layers=4", "trainer.global_batch_size=16",
+                              "trainer.micro_batch_size=2", f"strategy.data_parallel={data_parallel}", *extra]))
 
 
 def test_at_least_fifteen_invalid_configs() -> None:

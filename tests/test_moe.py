@@ -219,12 +219,14 @@ PARITY = {
     # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
     "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
     # the V schedules (two stages per rank, rank 0 holds the first and the last): ZBV and DualPipeV at pp=2
-    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp) and ZBV at tp=2 x pp=2 (DualPipeV
-    # there in tests/test_pipeline.py; with dp x cp > 1, and so with ep, which borrows data-parallel ranks,
-    # config validation refuses them)
+    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp), ZBV at tp=2 x pp=2, and with data
+    # parallelism at pp=2 x dp=2: ZBV under ddp (micro-batch 4: 2 pipeline micro-batches), DualPipeV under fsdp
+    # with the experts over ep=2 of the dp ranks (micro-batch 2: 4 pipeline micro-batches)
     "pp2_zbv": (["strategy=pp", "pp=2", *ZBV], 2, 4),
     "pp2_dualpipev": (["strategy=pp", "pp=2", *DUALPIPEV], 2, 4),
     "tp2_x_pp2_3d_zero1_zbv": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *ZBV], 4, 4),
+    "pp2_x_dp2_3d_ddp_zbv": (["strategy=3d", "pp=2", "strategy.data_parallel=ddp", *ZBV], 4, 4),
+    "pp2_x_ep2_3d_fsdp_dualpipev": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp", *DUALPIPEV], 4, 2),
 }
 # Exact resume: 12 steps straight (saving at 6) vs a run resumed from step 6, both ep=2.
 RESUME_AT, RESUME_END = 6, 12
@@ -260,7 +262,7 @@ def moe_runs() -> Path:
 
     for nproc in (2, 4):
         out = POOL.ensure(nproc, "moe")
-    for micro in (8, 4):
+    for micro in sorted({micro for _, _, micro in PARITY.values()}, reverse=True):
         trainer = build_trainer(compose(MOE + LOOP + [f"trainer.micro_batch_size={micro}"]), out / f"single{micro}")
         trainer.fit()
         torch.save(trainer.strategy.full_state_dict(trainer.model_parts), out / f"single{micro}" / "weights.pt")

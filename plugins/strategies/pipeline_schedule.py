@@ -24,11 +24,21 @@ Schedules (`strategy.schedule`):
   measures how much of it is exposed). Needs M >= 2P (torch refuses fewer).
 
 Both V schedules: evaluation runs a forward-only order over the V (`v_forward_only_order`; torch's `eval()`
-of these schedules fails at the local gradient hand-over between a rank's two stages); `strategy=3d`
-refuses them with data parallelism (dp x cp > 1, so with ep too), since torch 2.13's weight-gradient pass
-(`stage_backward_weight`) differentiates with respect to the registered parameters, which FSDP2 and
-`replicate` replace by sharded DTensors (measured: partial gradients). `activation_checkpointing=selective`
-is refused under them as under zero_bubble.
+of these schedules fails at the local gradient hand-over between a rank's two stages).
+`activation_checkpointing=selective` is refused under them as under zero_bubble.
+
+The split backward under data parallelism (`strategy=3d`, any data_parallel flavour, dp x cp > 1, so with ep
+too): torch 2.13's input-gradient pass (pipelining/_backward.py `stage_backward_input`) records which
+parameters the weight pass will differentiate for by looking up the stage module's registered parameters
+(`submod.parameters()`), and the weight pass (`stage_backward_weight`) writes into those. FSDP2 registers the
+gathered parameters only while a unit is unsharded; a unit that was resharded after its forward (zero3, fsdp,
+hybrid_shard: every block but a stage's last, and the root, which FSDP2 keeps gathered only when
+reshard_after_forward is left unset) shows its sharded DTensors instead, which the forward's graph never used,
+so its weight gradients were silently dropped (measured: pp=2 x dp=2 fsdp, first-step gradient norm 2.217
+instead of 2.544). `PrecisionStage` gathers every FSDP2 unit of the stage before both passes
+(`gather_stage_parameters`, the loop torch's own UNSHARD action runs), so the gradients land on the gathered
+parameters and the schedule's final post-backward reduce-scatters them. `replicate` (ddp, zero1) keeps its
+parameters gathered and matched without it.
 
 `PipelineOptions` holds what `strategy=pp` and `strategy=3d` share (schedule, virtual stages, layer
 split), checked on creation and against the model and batch sizes before launch (`validate`);
@@ -42,6 +52,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -185,6 +196,15 @@ def v_forward_only_order(schedule: Any, pp: int, num_microbatches: int) -> dict[
                           num_stages=2 * pp)
 
 
+def gather_stage_parameters(module: nn.Module) -> None:
+    """All-gather every FSDP2 (or `replicate`) unit of a stage part that is not gathered now, so that its
+    registered parameters are the tensors the forward used. Units already gathered skip it without a
+    collective; every data-parallel rank of a stage runs the same schedule, so they gather together."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+
+
 class PrecisionStage(PipelineStage):
     """A PipelineStage whose forward passes run inside the precision plugin's autocast region, and which
     passes the model family's carried tensors between stages.
@@ -247,6 +267,14 @@ class PrecisionStage(PipelineStage):
         with self._autocast():
             output = self._carrying(lambda *inputs: parent.forward_maybe_with_nosync(*inputs, **kwargs), args)
         return self._own_outputs(output) if self._split_backward and not self.is_last else output
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict[str, Any],
+                                   last_backward: bool = False) -> Any:
+        # The split passes (zero_bubble, zbv, dualpipev) find the parameters through `submod.parameters()`,
+        # which under FSDP2 are the gathered ones only while each unit is unsharded (see the module's docstring)
+        if backward_type in ("input", "weight"):
+            gather_stage_parameters(self.submod)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     @staticmethod
     def _own_outputs(output: Any) -> Any:

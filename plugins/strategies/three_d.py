@@ -39,7 +39,6 @@ from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.plugins.strategies.fsdp import FSDPOptions, FSDPSharding, accumulation_flags, reshard_gathered
 from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
 from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
-from trainer.plugins.strategies.pipeline_split import V_SCHEDULES
 from trainer.plugins.strategies.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel_sizes,
@@ -164,26 +163,9 @@ class ThreeD(DistributedStrategy):
             return  # without pipelining: the other dimensions are checked elsewhere
         self.pipeline_options.validate(num_layers=num_layers, pp=pp, num_microbatches=num_microbatches,
                                        compile=compile)
-        schedule = self.pipeline_options.schedule
-        if schedule in V_SCHEDULES and data_parallel > 1:
-            # Measured (pp=2 x dp=2, fsdp): the gradient norm of the first step is 7.83 instead of 8.04, and
-            # the losses part from the second step on. torch 2.13's weight-gradient pass
-            # (pipelining/_backward.py stage_backward_weight) differentiates with respect to the stage's
-            # registered parameters, which under FSDP2 and `replicate` are the sharded DTensors, not the
-            # gathered tensors the forward used, so the split passes' weight gradients never reach them.
-            raise ValueError(f"schedule={schedule} splits each backward into input- and weight-gradient passes, "
-                             f"and torch's weight pass does not reach the parameters of a stage that "
-                             f"data_parallel={self.data_parallel} wraps (dp x cp = {data_parallel}): its gradients "
-                             "would be partial; use it with dp x cp = 1 (pp, or tp x pp), or "
-                             "schedule=1f1b or interleaved_1f1b with data parallelism")
-        if schedule == "zero_bubble" and data_parallel > 1 and not self.replicating:
-            # The same weight pass: measured (3d pp=2 x dp=2, fsdp, 4 layers, 3 steps) the first step's gradient
-            # norm is 2.217 instead of the single process's 2.544 and the losses part from step 2; under
-            # data_parallel=ddp the same run matches the single process (grad norm 2.544206 vs 2.544206).
-            raise ValueError(f"schedule=zero_bubble splits each backward into input- and weight-gradient passes, "
-                             f"and torch's weight pass does not reach the parameters of a stage that the sharded "
-                             f"data_parallel={self.data_parallel} wraps (dp x cp = {data_parallel}): its gradients "
-                             "would be partial; use data_parallel=ddp or zero1 with it, or schedule=interleaved_1f1b")
+        # Every data_parallel flavour runs every schedule, the split-backward ones (zero_bubble, zbv, dualpipev)
+        # included: `PrecisionStage` gathers FSDP2's units before torch's input- and weight-gradient passes
+        # (pipeline_schedule.py's docstring says why they would miss resharded parameters otherwise).
 
     def check_tensor_parallel(self, model_cfg: Any, tp: int, seq_len: int, sequence_parallel: bool = True) -> None:
         if tp > 1:  # tp=1 is legitimate here: the other dimensions still split the work
@@ -328,7 +310,8 @@ class ThreeDConfig(FSDPOptions):
     # shard_grad_op, full_shard for zero3 and fsdp, hybrid_shard).
     data_parallel: str = "fsdp"
     # Pipeline: schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev; the last two need
-    # virtual_stages=2, placed in a V), stages per rank, layer split.
+    # virtual_stages=2, placed in a V; every schedule with every data_parallel flavour), stages per rank,
+    # layer split.
     schedule: str = "1f1b"
     virtual_stages: int = 1
     layers_per_stage: Optional[list[int]] = None
