@@ -219,12 +219,13 @@ PARITY = {
     # experts over ep=2, each expert shard FSDP-sharded over the 2 ranks left; other weights over all 4
     "zero3_dp2_x_ep2": (["strategy=zero3", "ep=2"], 4, 4),
     # the V schedules (two stages per rank, rank 0 holds the first and the last): ZBV and DualPipeV at pp=2
-    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp), ZBV at tp=2 x pp=2, and with data
+    # (micro-batch 4: 4 pipeline micro-batches, DualPipeV's minimum 2 pp), both at tp=2 x pp=2, and with data
     # parallelism at pp=2 x dp=2: ZBV under ddp (micro-batch 4: 2 pipeline micro-batches), DualPipeV under fsdp
     # with the experts over ep=2 of the dp ranks (micro-batch 2: 4 pipeline micro-batches)
     "pp2_zbv": (["strategy=pp", "pp=2", *ZBV], 2, 4),
     "pp2_dualpipev": (["strategy=pp", "pp=2", *DUALPIPEV], 2, 4),
     "tp2_x_pp2_3d_zero1_zbv": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *ZBV], 4, 4),
+    "tp2_x_pp2_3d_zero1_dualpipev": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *DUALPIPEV], 4, 4),
     "pp2_x_dp2_3d_ddp_zbv": (["strategy=3d", "pp=2", "strategy.data_parallel=ddp", *ZBV], 4, 4),
     "pp2_x_ep2_3d_fsdp_dualpipev": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp", *DUALPIPEV], 4, 2),
 }
