@@ -66,8 +66,10 @@ class ReferenceMuon(torch.optim.Optimizer):
     hidden_matrix_group = True
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float, nesterov: bool, ns_steps: int,
-                 ns_dtype: str, rms_scale: float, adamw_lr: float, adamw_betas: list[float], adamw_eps: float) -> None:
+                 ns_dtype: str, rms_scale: float, adamw_lr: float, adamw_betas: list[float], adamw_eps: float,
+                 qk_clip_tau: float | None = None) -> None:
         assert ns_dtype == "float32"
+        assert qk_clip_tau is None  # the reference clips in `ReferenceQKClip`, not through the trainer
         groups = [dict(g) for g in params]
         for group in groups:
             group["lr"] = lr if group.get("use_muon") else adamw_lr
@@ -119,6 +121,72 @@ class CountNewtonSchulz(Callback):
         if trainer.strategy.is_global_zero:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             (Path(self.directory) / "ns.json").write_text(json.dumps({"ns_matrices": int(count.item())}))
+
+
+class ReferenceQKClip(Callback):
+    """QK-clip (MuonClip) written out for one process: a forward pre-hook on every attention layer recomputes
+    its queries and keys from the layer's input with a naive matmul, RoPE by hand and the full [S, S] logits
+    of each head, and keeps each head's largest causal logit of the step; after the step (the batch's end) every
+    head above tau is scaled by hand: sqrt(gamma) on its wq and wk rows, or gamma on its wq rows alone when
+    heads share a key head. Writes the clipped heads of each step to `directory`/qk_reference.json."""
+
+    def __init__(self, tau: float, directory: str | None = None) -> None:
+        self.tau, self.directory = tau, directory
+        self.clipped: list[int] = []
+        self.largest: list[float] = []
+
+    def on_fit_start(self, trainer: Any) -> None:
+        from trainer.models.llama.model import Attention
+
+        assert trainer.strategy.world_size == 1
+        self.layers = {name: m for name, m in trainer.model_parts[0].named_modules() if isinstance(m, Attention)}
+        self.maxima = {name: [-math.inf] * m.n_heads for name, m in self.layers.items()}
+        for name, module in self.layers.items():
+            module.register_forward_pre_hook(lambda module, args, name=name: self.record(name, module, *args))
+
+    @torch.no_grad()
+    def record(self, name: str, attention: Any, x: torch.Tensor, rope_cache: torch.Tensor, *rest: Any) -> None:
+        if not attention.training:  # validation does not count
+            return
+        batch, seq, _ = x.shape
+        d, group = attention.head_dim, attention.n_heads // attention.n_kv_heads
+        q = (x @ attention.wq.weight.T).view(batch, seq, attention.n_heads, d)
+        k = (x @ attention.wk.weight.T).view(batch, seq, attention.n_kv_heads, d)
+        cos, sin = rope_cache[:seq, None, :d], rope_cache[:seq, None, d:]
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:  # RoPE, rotate-half layout
+            return t * cos + torch.cat((-t[..., d // 2:], t[..., :d // 2]), dim=-1) * sin
+
+        q, k = rotate(q), rotate(k)
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        for h in range(attention.n_heads):
+            logits = q[:, :, h] @ k[:, :, h // group].transpose(1, 2) / math.sqrt(d)  # [batch, seq, seq]
+            largest = float(logits.masked_fill(~causal, -math.inf).max())
+            self.maxima[name][h] = max(self.maxima[name][h], largest)
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: Any, outputs: Any) -> None:
+        clipped = 0
+        for name, attention in self.layers.items():
+            d, shared = attention.head_dim, attention.n_heads != attention.n_kv_heads
+            for h, largest in enumerate(self.maxima[name]):
+                if largest > self.tau:
+                    gamma = self.tau / largest
+                    clipped += 1
+                    if shared:
+                        attention.wq.weight[h * d:(h + 1) * d] *= gamma
+                    else:
+                        attention.wq.weight[h * d:(h + 1) * d] *= math.sqrt(gamma)
+                        attention.wk.weight[h * d:(h + 1) * d] *= math.sqrt(gamma)
+        self.largest.append(max(max(m) for m in self.maxima.values()))
+        self.clipped.append(clipped)
+        self.maxima = {name: [-math.inf] * m.n_heads for name, m in self.layers.items()}
+
+    def on_fit_end(self, trainer: Any) -> None:
+        if self.directory is not None:
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
+            (Path(self.directory) / "qk_reference.json").write_text(
+                json.dumps({"clipped": self.clipped, "largest": self.largest}))
 
 
 def column(run_dir: Path, name: str = "train_loss") -> list[float]:
@@ -214,6 +282,75 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_momentum(tmp_path: Path) -
     straight, resumed = column(tmp_path / "straight"), column(tmp_path / "resumed")
     assert len(straight) == steps and len(resumed) == steps - 4
     assert resumed == straight[4:]  # bitwise
+
+
+# ---- QK-clip (MuonClip) -----------------------------------------------------------------------------------------
+# One key head per query head (sqrt(gamma) on wq and wk) and grouped-query attention (gamma on wq alone).
+MHA = [*MODEL[:3], "model.n_kv_heads=4", *MODEL[4:]]
+QK_MODELS = {"mha": MHA, "gqa": MODEL}
+# The tiny models' largest logit is about 0.13 at the start: 0.1 clips some heads of most steps, not all of them.
+QK_TAU = 0.1
+QK_STEPS = 6
+
+
+def qk_reference(directory: Path, tau: float = QK_TAU) -> list[str]:
+    return ["+callbacks.qkref._target_=tests.test_muon.ReferenceQKClip", f"+callbacks.qkref.tau={tau}",
+            f"+callbacks.qkref.directory={directory}"]
+
+
+@pytest.mark.parametrize("model", list(QK_MODELS))
+def test_qk_clip_matches_a_naive_reference(tmp_path: Path, model: str) -> None:
+    """Muon + QK-clip in the trainer against ReferenceMuon + the clip written out (ReferenceQKClip): the same
+    heads clipped at every step, the same largest logits, losses and weights."""
+    base = QK_MODELS[model] + loop(QK_STEPS)
+    clipped = fit(base + MUON + [f"optimizer.qk_clip_tau={QK_TAU}"], tmp_path / "muon")
+    reference = fit(base + REFERENCE + qk_reference(tmp_path / "reference"), tmp_path / "reference")
+    expected = json.loads((tmp_path / "reference" / "qk_reference.json").read_text())
+    heads = 4 * 2
+    # the test means something: heads clipped at most steps, and at some steps only some of them (per head)
+    assert sum(count > 0 for count in expected["clipped"]) >= QK_STEPS - 1, expected["clipped"]
+    assert sum(0 < count < heads for count in expected["clipped"]) >= 2, expected["clipped"]
+    assert column(tmp_path / "muon", "qk_clip/clipped_heads") == expected["clipped"]
+    print(f"{model}: clipped heads per step {expected['clipped']}")
+    largest = column(tmp_path / "muon", "qk_clip/max_logit")
+    print(f"{model}: max relative logit difference "
+          f"{max(abs(a - b) / b for a, b in zip(largest, expected['largest'], strict=True)):.3g}")
+    for a, b in zip(largest, expected["largest"], strict=True):
+        assert a == pytest.approx(b, rel=QK_LOGIT_RTOL)
+    got, want = column(tmp_path / "muon"), column(tmp_path / "reference")
+    print(f"{model}: max relative loss difference {max(abs(a - b) / b for a, b in zip(got, want, strict=True)):.3g}")
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert a == pytest.approx(b, rel=1e-6), f"step {step}"
+    difference = max_weight_difference(dict(clipped.model_parts[0].state_dict()),
+                                       dict(reference.model_parts[0].state_dict()))
+    print(f"{model}: max |weight difference| {difference:.3g}")
+    assert difference < QK_WEIGHT_ATOL
+
+
+# Measured over the 6 steps: largest logits at most 6.8e-7 relative, losses 2.0e-7 relative (1e-6 above: 5x),
+# weights 4.4e-7 apart; 1e-5 leaves 15x and 23x.
+QK_LOGIT_RTOL, QK_WEIGHT_ATOL = 1e-5, 1e-5
+
+QK_REFUSED = {
+    "qwen3 (QK-norm)": (["model=qwen3_tiny"], "QK-norm"),
+    "deepseek_v3 (MLA)": (["model=deepseek_v3_tiny"], "multi-head latent attention"),
+    "gpt (fused wqkv)": (["model=gpt2_small", "model.n_layers=1"], "fused, biased wqkv"),
+    "bf16_true masters": ([*MODEL, "precision=bf16_true"], "fp32 master copies"),
+    "offloaded optimizer": ([*MODEL, "strategy=zero3", "strategy.offload_optimizer=true", "trainer.devices=2"],
+                            "host copies an offloaded optimizer steps"),
+    "tau 0": ([*MODEL, "optimizer.qk_clip_tau=0"], "must be a positive number"),
+}
+
+
+@pytest.mark.parametrize("name", list(QK_REFUSED))
+def test_qk_clip_is_refused_where_scaling_the_projections_would_not_clip(name: str) -> None:
+    from trainer.config import ConfigError, validate
+
+    overrides, message = QK_REFUSED[name]
+    with pytest.raises(ConfigError, match=message) as refused:
+        validate(compose(["optimizer=muon", "optimizer.qk_clip_tau=100", "mode=plan", *overrides]))
+    assert "qk_clip_tau" in str(refused.value) and "\n" not in str(refused.value)  # one line naming the key
+    validate(compose(["optimizer=muon", "optimizer.qk_clip_tau=100", "mode=plan", *MODEL]))  # a Llama is fine
 
 
 PLANNED = {
