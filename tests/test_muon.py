@@ -9,6 +9,12 @@ Fast tier: one process, 20 steps against the reference; the parameter groups; an
 Slow tier: ddp, zero1, zero2, zero3, tp=2, pp=2 and ep=2 (MoE) on 2 processes and 3d (dp=2 x tp=2, FSDP) on
 4, in the session's shared launches (tests/launch_pool.py), against the reference run in this process;
 and every matrix orthogonalised exactly once per step over all ranks (counted).
+
+QK-clip (`optimizer.qk_clip_tau`, MuonClip): the reference (`ReferenceQKClip`) recomputes every head's full
+logits from each attention layer's input with a naive attention and scales the rows by hand. Fast tier: one
+process, 6 steps, with one key head per query head and with grouped-query attention; the refusals. Slow tier:
+ddp, zero2, zero3, tp=2 (also GQA), pp=2 and cp=2 (ring and all-to-all) on 2 processes and 3d (dp=2 x tp=2,
+FSDP) on 4, in the same launches, against the reference run in this process.
 """
 
 from __future__ import annotations
@@ -436,7 +442,32 @@ _RESUMED = {"name": "tp2_from_zero1", "overrides": MODEL + loop(SLOW_STEPS) + MU
 POOL.add("muon", 2, [{**run, "overrides": run["overrides"] + (
     ["callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=2"] if run["name"] == "zero1" else [])} for run in _runs(2, TWO)]
     + [_RESUMED])
-POOL.add("muon", 4, _runs(4, FOUR))
+
+# QK-clip under every way of holding the attention weights, against the one-process reference (ReferenceMuon +
+# ReferenceQKClip) run in this process: DDP and ZeRO-2 (whole replicated weights), ZeRO-3 (FSDP2 rows over dp),
+# tp (heads over the tp ranks: GQA too, each rank's query heads sharing its key heads), pp (each stage its
+# own layers), cp (each rank's queries against the gathered keys, maxima reduced over the cp ranks; both
+# methods) and 3d dp2 x tp2 x FSDP (FSDP2's strided shards of tp shards).
+QK_TWO = {
+    "ddp_qk": ("mha", ["strategy=ddp"]),
+    "zero2_qk": ("mha", ["strategy=zero2"]),
+    "zero3_qk": ("mha", ["strategy=zero3"]),
+    "tp2_qk": ("mha", ["strategy=tp", "tp=2"]),
+    "tp2_gqa_qk": ("gqa", ["strategy=tp", "tp=2"]),
+    "pp2_qk": ("mha", ["strategy=pp", "pp=2"]),
+    "cp2_qk": ("mha", ["strategy=ddp", "cp=2"]),
+    "cp2_all_to_all_qk": ("mha", ["strategy=ddp", "cp=2", "cp_method=all_to_all"]),
+}
+QK_FOUR = {"3d_dp2_tp2_qk": ("mha", ["strategy=3d", "tp=2", "strategy.data_parallel=fsdp"])}
+
+
+def _qk_runs(world: int, table: dict[str, tuple[str, list[str]]]) -> list[dict[str, Any]]:
+    return [{"name": name, "overrides": QK_MODELS[model] + loop(SLOW_STEPS) + MUON + strategy + [
+        f"trainer.devices={world}", f"optimizer.qk_clip_tau={QK_TAU}"]} for name, (model, strategy) in table.items()]
+
+
+POOL.add("muon", 2, _qk_runs(2, QK_TWO))  # the same launch as the runs above (one per world size)
+POOL.add("muon", 4, _runs(4, FOUR) + _qk_runs(4, QK_FOUR))
 
 
 @pytest.fixture(scope="module")
@@ -447,6 +478,10 @@ def launches() -> Path:
         trainer = fit(model + loop(SLOW_STEPS) + REFERENCE, _OUT / name)
         torch.save(trainer.strategy.full_state_dict(trainer.model_parts), _OUT / name / "weights.pt")
         (_OUT / name / "ns.json").write_text(json.dumps({"ns_matrices": trainer.optimizer.ns_matrices}))
+    for model, overrides in QK_MODELS.items():
+        name = f"single_qk_{model}"
+        trainer = fit(overrides + loop(SLOW_STEPS) + REFERENCE + qk_reference(_OUT / name), _OUT / name)
+        torch.save(trainer.strategy.full_state_dict(trainer.model_parts), _OUT / name / "weights.pt")
     return _OUT
 
 
@@ -491,4 +526,36 @@ def test_a_run_resumed_under_another_layout_continues_the_momentum(launches: Pat
     difference = max_weight_difference(torch.load(run / "weights.pt", weights_only=True),
                                        torch.load(single / "weights.pt", weights_only=True))
     print(f"tp2_from_zero1: max |weight difference| {difference:.3g}")
+    assert difference < WEIGHT_ATOL
+
+
+QK_SLOW = [(2, name) for name in QK_TWO] + [(4, name) for name in QK_FOUR]
+# Measured over the 3 steps, every run: largest logits at most 7.1e-7 relative (3d; 2.3e-7 to 3.9e-7 elsewhere),
+# losses 1.8e-7 relative (tp GQA; 0 for ddp, zero2, zero3, pp, cp), weights 5.6e-7 apart (cp ring): the
+# tolerances (1e-5, and LOSS_RTOL, WEIGHT_ATOL above) leave 14x, 5.7x and 8.9x.
+QK_SLOW_LOGIT_RTOL = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "name"), QK_SLOW, ids=[f"{w}-{n}" for w, n in QK_SLOW])
+def test_qk_clip_under_every_layout_matches_the_reference(launches: Path, world: int, name: str) -> None:
+    """The same heads clipped at every step as the naive one-process reference, the same largest logit
+    (whole-model figures, reduced over the stages and tp ranks), losses and final weights."""
+    model = {**QK_TWO, **QK_FOUR}[name][0]
+    single, run = launches / f"single_qk_{model}", launches / f"np{world}" / name
+    expected = json.loads((single / "qk_reference.json").read_text())
+    assert sum(expected["clipped"]) >= SLOW_STEPS  # heads are clipped: the test means something
+    assert column(run, "qk_clip/clipped_heads") == expected["clipped"]
+    largest = column(run, "qk_clip/max_logit")
+    print(f"{name}: max relative logit difference "
+          f"{max(abs(a - b) / b for a, b in zip(largest, expected['largest'], strict=True)):.3g}")
+    for a, b in zip(largest, expected["largest"], strict=True):
+        assert a == pytest.approx(b, rel=QK_SLOW_LOGIT_RTOL)
+    got, want = column(run), column(single)
+    print(f"{name}: max relative loss difference {max(abs(a - b) / b for a, b in zip(got, want, strict=True)):.3g}")
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert a == pytest.approx(b, rel=LOSS_RTOL), f"{name}: step {step}"
+    difference = max_weight_difference(torch.load(run / "weights.pt", weights_only=True),
+                                       torch.load(single / "weights.pt", weights_only=True))
+    print(f"{name}: max |weight difference| {difference:.3g}")
     assert difference < WEIGHT_ATOL

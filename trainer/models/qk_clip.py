@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainer.interfaces.model_family import ModelFamily, QKClipAttention
+from trainer.models.moe import counts_statistics
 
 __all__ = ["LogitMax", "QKClip", "max_logits"]
 
@@ -84,7 +85,9 @@ class LogitMax:
         """Fold in the logits of queries `q` `[B, H, S_local, D]` against keys `k` `[B, Hkv, S_local, D]`
         (after RoPE); under context parallelism (`context_parallel`, a `ContextParallel`) against the whole
         sequence's keys, gathered. `doc_ids`: the whole sequence's document ids, or None."""
-        if q.is_meta:  # a pipeline stage's shape inference
+        # not a pipeline's metadata inference (a forward on stand-in inputs, inside `moe_stats_paused`) nor
+        # an activation-checkpointing recompute (the same logits again)
+        if q.is_meta or not counts_statistics():
             return
         local = q.shape[2]
         q_docs = k_docs = doc_ids
