@@ -12,7 +12,8 @@ and every matrix orthogonalised exactly once per step over all ranks (counted).
 
 QK-clip (`optimizer.qk_clip_tau`, MuonClip): the reference (`ReferenceQKClip`) recomputes every head's full
 logits from each attention layer's input with a naive attention and scales the rows by hand. Fast tier: one
-process, 6 steps, with one key head per query head and with grouped-query attention; the refusals. Slow tier:
+process, 6 steps, with one key head per query head and with grouped-query attention (also with document
+masking, and with activation checkpointing); the refusals. Slow tier:
 ddp, zero2, zero3, tp=2 (also GQA), pp=2 and cp=2 (ring and all-to-all) on 2 processes and 3d (dp=2 x tp=2,
 FSDP) on 4, in the same launches, against the reference run in this process.
 """
@@ -140,6 +141,7 @@ class ReferenceQKClip(Callback):
         self.tau, self.directory = tau, directory
         self.clipped: list[int] = []
         self.largest: list[float] = []
+        self.documents_crossed = 0  # sequences seen holding more than one document (document masking)
 
     def on_fit_start(self, trainer: Any) -> None:
         from trainer.models.llama.model import Attention
@@ -151,23 +153,28 @@ class ReferenceQKClip(Callback):
             module.register_forward_pre_hook(lambda module, args, name=name: self.record(name, module, *args))
 
     @torch.no_grad()
-    def record(self, name: str, attention: Any, x: torch.Tensor, rope_cache: torch.Tensor, *rest: Any) -> None:
+    def record(self, name: str, attention: Any, x: torch.Tensor, rope_cache: torch.Tensor,
+               doc_ids: torch.Tensor | None = None) -> None:
         if not attention.training:  # validation does not count
             return
         batch, seq, _ = x.shape
         d, group = attention.head_dim, attention.n_heads // attention.n_kv_heads
         q = (x @ attention.wq.weight.T).view(batch, seq, attention.n_heads, d)
         k = (x @ attention.wk.weight.T).view(batch, seq, attention.n_kv_heads, d)
-        cos, sin = rope_cache[:seq, None, :d], rope_cache[:seq, None, d:]
+        # the rotation of each position ([seq, 2d]; [batch, seq, 2d] with documents, positions restarting)
+        cos, sin = rope_cache[..., None, :d], rope_cache[..., None, d:]
 
         def rotate(t: torch.Tensor) -> torch.Tensor:  # RoPE, rotate-half layout
             return t * cos + torch.cat((-t[..., d // 2:], t[..., :d // 2]), dim=-1) * sin
 
         q, k = rotate(q), rotate(k)
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        allowed = torch.ones(seq, seq, dtype=torch.bool).tril().expand(batch, seq, seq)
+        if doc_ids is not None:  # and within each document
+            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+            self.documents_crossed += int((doc_ids[:, 1:] != doc_ids[:, :-1]).any(dim=1).sum())
         for h in range(attention.n_heads):
             logits = q[:, :, h] @ k[:, :, h // group].transpose(1, 2) / math.sqrt(d)  # [batch, seq, seq]
-            largest = float(logits.masked_fill(~causal, -math.inf).max())
+            largest = float(logits.masked_fill(~allowed, -math.inf).max())
             self.maxima[name][h] = max(self.maxima[name][h], largest)
 
     @torch.no_grad()
@@ -192,7 +199,8 @@ class ReferenceQKClip(Callback):
         if self.directory is not None:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             (Path(self.directory) / "qk_reference.json").write_text(
-                json.dumps({"clipped": self.clipped, "largest": self.largest}))
+                json.dumps({"clipped": self.clipped, "largest": self.largest,
+                            "documents_crossed": self.documents_crossed}))
 
 
 def column(run_dir: Path, name: str = "train_loss") -> list[float]:
@@ -294,9 +302,30 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_momentum(tmp_path: Path) -
 # One key head per query head (sqrt(gamma) on wq and wk) and grouped-query attention (gamma on wq alone).
 MHA = [*MODEL[:3], "model.n_kv_heads=4", *MODEL[4:]]
 QK_MODELS = {"mha": MHA, "gqa": MODEL}
+# The fast tier also runs the GQA model with packed documents (attention and the maxima within each one, RoPE
+# positions restarting) and with every block's activations recomputed in the backward (a recompute records
+# nothing again).
+QK_FAST = {**{name: overrides for name, overrides in QK_MODELS.items()},
+           "gqa_documents": [*MODEL, "data=token_file", "data.document_masking=true"],
+           "gqa_checkpointed": [*MODEL, "activation_checkpointing=full"]}
 # The tiny models' largest logit is about 0.13 at the start: 0.1 clips some heads of most steps, not all of them.
 QK_TAU = 0.1
 QK_STEPS = 6
+
+
+def write_documents(path: Path, tokens: int = 60_000) -> Path:
+    """A byte-level token file of documents of 2 to 40 tokens, each ending with the end-of-document id 0."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        pieces = [np.append(rng.integers(1, 256, rng.integers(2, 40)), 0) for _ in range(tokens // 20)]
+        np.concatenate(pieces)[:tokens].astype(np.uint16).tofile(path / f"{split}.bin")
+    (path / "meta.json").write_text(json.dumps({
+        "format_version": 1, "dtype": "uint16", "vocab_size": 256, "tokenizer": "bytes", "eos_id": 0,
+        "num_tokens": {"train": tokens, "val": tokens}}))
+    return path
 
 
 def qk_reference(directory: Path, tau: float = QK_TAU) -> list[str]:
@@ -304,11 +333,14 @@ def qk_reference(directory: Path, tau: float = QK_TAU) -> list[str]:
             f"+callbacks.qkref.directory={directory}"]
 
 
-@pytest.mark.parametrize("model", list(QK_MODELS))
+@pytest.mark.parametrize("model", list(QK_FAST))
 def test_qk_clip_matches_a_naive_reference(tmp_path: Path, model: str) -> None:
     """Muon + QK-clip in the trainer against ReferenceMuon + the clip written out (ReferenceQKClip): the same
     heads clipped at every step, the same largest logits, losses and weights."""
-    base = QK_MODELS[model] + loop(QK_STEPS)
+    base = QK_FAST[model] + loop(QK_STEPS)
+    if "documents" in model:  # a token file instead of the byte corpus (which has no document ends)
+        base = [o for o in base if not o.startswith("data.max_bytes")]
+        base += [f"data.path={write_documents(tmp_path / 'documents')}"]
     clipped = fit(base + MUON + [f"optimizer.qk_clip_tau={QK_TAU}"], tmp_path / "muon")
     reference = fit(base + REFERENCE + qk_reference(tmp_path / "reference"), tmp_path / "reference")
     expected = json.loads((tmp_path / "reference" / "qk_reference.json").read_text())
@@ -316,6 +348,8 @@ def test_qk_clip_matches_a_naive_reference(tmp_path: Path, model: str) -> None:
     # the test means something: heads clipped at most steps, and at some steps only some of them (per head)
     assert sum(count > 0 for count in expected["clipped"]) >= QK_STEPS - 1, expected["clipped"]
     assert sum(0 < count < heads for count in expected["clipped"]) >= 2, expected["clipped"]
+    if "documents" in model:  # sequences that hold several documents, so the mask within them matters
+        assert expected["documents_crossed"] > 0
     assert column(tmp_path / "muon", "qk_clip/clipped_heads") == expected["clipped"]
     print(f"{model}: clipped heads per step {expected['clipped']}")
     largest = column(tmp_path / "muon", "qk_clip/max_logit")

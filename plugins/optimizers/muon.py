@@ -33,8 +33,17 @@ Under tensor parallelism the matrices are gathered over the tp group (the math d
 orthogonalising per shard: NS of a column block is not a block of NS).
 
 Expert weights (3-D, ``experts x rows x cols``) are orthogonalised per expert, as a batch of matrices.
-QK-clip (MuonClip, Kimi K2) is not implemented. Untested: an optimizer offloaded to host memory on a GPU
-(`offload_optimizer`), whose exchange would hand NCCL host tensors; on CPU (gloo) it is the same path.
+Untested: an optimizer offloaded to host memory on a GPU (`offload_optimizer`), whose exchange would hand
+NCCL host tensors; on CPU (gloo) it is the same path.
+
+QK-clip (MuonClip, Kimi K2 2025): ``qk_clip_tau`` (``optimizer.qk_clip_tau=100``; None, the default, is off)
+caps each attention head's largest pre-softmax logit. It is not done in `step`, which never sees the
+logits: the attention records each head's maximum over the step's batch, and after the step
+`trainer.models.qk_clip.QKClip` reduces the maxima with MAX over the data- and context-parallel ranks and
+scales every head above tau by gamma = tau / max (sqrt(gamma) on its wq and wk rows; gamma on wq alone
+when query heads share a key head), under every strategy (see that module). Llama-family models only:
+validation refuses Qwen3 (QK-norm), DeepSeek-V3 (MLA, not implemented) and GPT (fused wqkv, not
+implemented), and fp32 master weights or an offloaded optimizer (their copies would undo the scaling).
 """
 
 from __future__ import annotations

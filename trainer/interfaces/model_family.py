@@ -209,8 +209,10 @@ class ModelFamily:
 
     def qk_clip_attention(self, model: nn.Module) -> list[tuple[str, QKClipAttention]]:
         """(layer key, attention) of every attention layer this model or pipeline stage holds, in layer
-        order; only called when `unsupported_qk_clip` is None."""
-        raise NotImplementedError
+        order; only called when `unsupported_qk_clip` is None. None by default (`QKClip` refuses a model
+        part without any)."""
+        del model
+        return []
 
     # ---- pipeline stages ------------------------------------------------------------------------------
     def carry_into_stage(self, model: nn.Module, carried: tuple[torch.Tensor, ...]) -> None:

@@ -116,9 +116,8 @@ def _local_rows(weight: torch.Tensor) -> int:
     """Rows of `weight` this rank's forward uses: all of them, or its tensor-parallel share."""
     rows = weight.shape[0]
     if isinstance(weight, DTensor):
-        for name, placement in zip(weight.device_mesh.mesh_dim_names or (), weight.placements):
-            if name == _TP:
-                rows //= weight.device_mesh[_TP].size()
+        if _TP in (weight.device_mesh.mesh_dim_names or ()):
+            rows //= weight.device_mesh[_TP].size()
     return rows
 
 
@@ -164,7 +163,11 @@ class QKClip:
         self.tau = float(tau)
         self.layers: list[_Layer] = []
         for part in model_parts:
-            for key, attention in family.qk_clip_attention(part):
+            found = family.qk_clip_attention(part)
+            if not found:  # a family that allows QK-clip but names no layer would clip nothing, silently
+                raise ValueError(f"QK-clip found no attention layer in {type(part).__name__} "
+                                 f"(the {family.name} family's qk_clip_attention)")
+            for key, attention in found:
                 recorder = LogitMax()
                 attention.core.logit_max = recorder  # type: ignore[assignment]
                 self.layers.append(_Layer(key, attention, recorder))
@@ -176,18 +179,19 @@ class QKClip:
         """Take the step's maxima (every rank, every step: the reductions are collectives), reduce them with
         `reduce_max` over the ranks holding the same heads and, when the optimizer `stepped`, clip the heads
         above tau. Returns the whole model's `qk_clip/max_logit` (the largest logit before clipping) and
-        `qk_clip/clipped_heads`, made of every stage's and tp rank's with `over_model(tensor, op)`."""
+        `qk_clip/clipped_heads` (0 after a skipped update), made of every stage's and tp rank's with
+        `over_model(tensor, op)`."""
         heads = [_local_rows(layer.attention.query) // layer.attention.head_dim for layer in self.layers]
-        device = _local(self.layers[0].attention.query).device if self.layers else torch.device("cpu")
-        taken = [layer.recorder.take(n, device) for layer, n in zip(self.layers, heads)]
-        maxima = reduce_max(torch.cat(taken) if taken else torch.full((1,), -math.inf, device=device))
+        device = _local(self.layers[0].attention.query).device
+        maxima = reduce_max(torch.cat([layer.recorder.take(n, device) for layer, n in zip(self.layers, heads)]))
         over = maxima > self.tau
         if stepped:
             gamma = torch.where(over, self.tau / maxima, torch.ones_like(maxima))
             for layer, layer_gamma in zip(self.layers, gamma.split(heads)):
                 self._clip(layer.attention, layer_gamma)
+        clipped = over.sum() if stepped else torch.zeros((), dtype=torch.int64, device=device)
         return {"qk_clip/max_logit": over_model(maxima.max(), "max"),
-                "qk_clip/clipped_heads": over_model(over.sum(), "sum")}
+                "qk_clip/clipped_heads": over_model(clipped, "sum")}
 
     @staticmethod
     def _clip(attention: QKClipAttention, gamma: torch.Tensor) -> None:
