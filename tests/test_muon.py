@@ -13,9 +13,9 @@ and every matrix orthogonalised exactly once per step over all ranks (counted).
 QK-clip (`optimizer.qk_clip_tau`, MuonClip): the reference (`ReferenceQKClip`) recomputes every head's full
 logits from each attention layer's input with a naive attention and scales the rows by hand. Fast tier: one
 process, 6 steps, with one key head per query head and with grouped-query attention (also with document
-masking, and with activation checkpointing); the refusals. Slow tier:
-ddp, zero2, zero3, tp=2 (also GQA), pp=2 and cp=2 (ring and all-to-all) on 2 processes and 3d (dp=2 x tp=2,
-FSDP) on 4, in the same launches, against the reference run in this process.
+masking, and with activation checkpointing); the refusals. Slow tier: ddp, zero1, zero2, zero3, zero3 with
+ep=2 (MoE), tp=2 (also GQA), pp=2 and cp=2 (ring and all-to-all) on 2 processes and 3d (dp=2 x tp=2, FSDP) on
+4, in the same launches, against the reference run in this process.
 """
 
 from __future__ import annotations
@@ -301,11 +301,11 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_momentum(tmp_path: Path) -
 # ---- QK-clip (MuonClip) -----------------------------------------------------------------------------------------
 # One key head per query head (sqrt(gamma) on wq and wk) and grouped-query attention (gamma on wq alone).
 MHA = [*MODEL[:3], "model.n_kv_heads=4", *MODEL[4:]]
-QK_MODELS = {"mha": MHA, "gqa": MODEL}
+QK_MODELS = {"mha": MHA, "gqa": MODEL, "moe": MOE}
 # The fast tier also runs the GQA model with packed documents (attention and the maxima within each one, RoPE
 # positions restarting) and with every block's activations recomputed in the backward (a recompute records
 # nothing again).
-QK_FAST = {**{name: overrides for name, overrides in QK_MODELS.items()},
+QK_FAST = {"mha": MHA, "gqa": MODEL,
            "gqa_documents": [*MODEL, "data=token_file", "data.document_masking=true"],
            "gqa_checkpointed": [*MODEL, "activation_checkpointing=full"]}
 # The tiny models' largest logit is about 0.13 at the start: 0.1 clips some heads of most steps, not all of them.
@@ -478,12 +478,14 @@ POOL.add("muon", 2, [{**run, "overrides": run["overrides"] + (
     + [_RESUMED])
 
 # QK-clip under every way of holding the attention weights, against the one-process reference (ReferenceMuon +
-# ReferenceQKClip) run in this process: DDP and ZeRO-2 (whole replicated weights), ZeRO-3 (FSDP2 rows over dp),
-# tp (heads over the tp ranks: GQA too, each rank's query heads sharing its key heads), pp (each stage its
-# own layers), cp (each rank's queries against the gathered keys, maxima reduced over the cp ranks; both
-# methods) and 3d dp2 x tp2 x FSDP (FSDP2's strided shards of tp shards).
+# ReferenceQKClip) run in this process: DDP, ZeRO-1 and ZeRO-2 (whole replicated weights), ZeRO-3 (FSDP2 rows
+# over dp; also with a MoE model's experts split over ep=2), tp (heads over the tp ranks: GQA too, each
+# rank's query heads sharing its key heads), pp (each stage its own layers), cp (each rank's queries against
+# the gathered keys, maxima reduced over the cp ranks; both methods) and 3d dp2 x tp2 x FSDP (FSDP2's strided
+# shards of tp shards).
 QK_TWO = {
     "ddp_qk": ("mha", ["strategy=ddp"]),
+    "zero1_qk": ("mha", ["strategy=zero1"]),
     "zero2_qk": ("mha", ["strategy=zero2"]),
     "zero3_qk": ("mha", ["strategy=zero3"]),
     "tp2_qk": ("mha", ["strategy=tp", "tp=2"]),
@@ -491,6 +493,7 @@ QK_TWO = {
     "pp2_qk": ("mha", ["strategy=pp", "pp=2"]),
     "cp2_qk": ("mha", ["strategy=ddp", "cp=2"]),
     "cp2_all_to_all_qk": ("mha", ["strategy=ddp", "cp=2", "cp_method=all_to_all"]),
+    "ep2_qk": ("moe", ["strategy=zero3", "ep=2"]),
 }
 QK_FOUR = {"3d_dp2_tp2_qk": ("mha", ["strategy=3d", "tp=2", "strategy.data_parallel=fsdp"])}
 
@@ -564,9 +567,10 @@ def test_a_run_resumed_under_another_layout_continues_the_momentum(launches: Pat
 
 
 QK_SLOW = [(2, name) for name in QK_TWO] + [(4, name) for name in QK_FOUR]
-# Measured over the 3 steps, every run: largest logits at most 7.1e-7 relative (3d; 2.3e-7 to 3.9e-7 elsewhere),
-# losses 1.8e-7 relative (tp GQA; 0 for ddp, zero2, zero3, pp, cp), weights 5.6e-7 apart (cp ring): the
-# tolerances (1e-5, and LOSS_RTOL, WEIGHT_ATOL above) leave 14x, 5.7x and 8.9x.
+# Measured over the 3 steps, every run: largest logits at most 7.1e-7 relative (3d; 6.6e-8 to 3.9e-7 elsewhere),
+# losses 1.8e-7 relative (tp GQA; 0 for ddp, zero1, zero2, zero3, ep, pp, cp), weights 9.9e-7 apart (ep; 5.6e-7
+# cp ring, at most 3.1e-7 elsewhere): the tolerances (1e-5, and LOSS_RTOL, WEIGHT_ATOL above) leave 14x, 5.7x
+# and 5x.
 QK_SLOW_LOGIT_RTOL = 1e-5
 
 
