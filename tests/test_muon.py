@@ -14,8 +14,8 @@ QK-clip (`optimizer.qk_clip_tau`, MuonClip): the reference (`ReferenceQKClip`) r
 logits from each attention layer's input with a naive attention and scales the rows by hand. Fast tier: one
 process, 6 steps, with one key head per query head and with grouped-query attention (also with document
 masking, and with activation checkpointing); the refusals. Slow tier: ddp, zero1, zero2, zero3, zero3 with
-ep=2 (MoE), tp=2 (also GQA), pp=2 and cp=2 (ring and all-to-all) on 2 processes and 3d (dp=2 x tp=2, FSDP) on
-4, in the same launches, against the reference run in this process.
+ep=2 (MoE), tp=2 (also GQA), pp=2 (also zbv's V) and cp=2 (ring and all-to-all) on 2 processes, 3d (dp=2 x
+tp=2, FSDP) and hybrid sharding (2 x 2) on 4, in the same launches, against the reference run in this process.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_momentum(tmp_path: Path) -
 # ---- QK-clip (MuonClip) -----------------------------------------------------------------------------------------
 # One key head per query head (sqrt(gamma) on wq and wk) and grouped-query attention (gamma on wq alone).
 MHA = [*MODEL[:3], "model.n_kv_heads=4", *MODEL[4:]]
-QK_MODELS = {"mha": MHA, "gqa": MODEL, "moe": MOE}
+QK_MODELS = {"mha": MHA, "gqa": MODEL, "moe": MOE, "mha4": [*MHA, "model.n_layers=4"]}
 # The fast tier also runs the GQA model with packed documents (attention and the maxima within each one, RoPE
 # positions restarting) and with every block's activations recomputed in the backward (a recompute records
 # nothing again).
@@ -480,9 +480,10 @@ POOL.add("muon", 2, [{**run, "overrides": run["overrides"] + (
 # QK-clip under every way of holding the attention weights, against the one-process reference (ReferenceMuon +
 # ReferenceQKClip) run in this process: DDP, ZeRO-1 and ZeRO-2 (whole replicated weights), ZeRO-3 (FSDP2 rows
 # over dp; also with a MoE model's experts split over ep=2), tp (heads over the tp ranks: GQA too, each
-# rank's query heads sharing its key heads), pp (each stage its own layers), cp (each rank's queries against
-# the gathered keys, maxima reduced over the cp ranks; both methods) and 3d dp2 x tp2 x FSDP (FSDP2's strided
-# shards of tp shards).
+# rank's query heads sharing its key heads), pp (each stage its own layers; also a V schedule, two stages a
+# rank), cp (each rank's queries against
+# the gathered keys, maxima reduced over the cp ranks; both methods), 3d dp2 x tp2 x FSDP (FSDP2's strided
+# shards of tp shards) and hybrid sharding (a 2-D FSDP2 mesh: replicas x shards).
 QK_TWO = {
     "ddp_qk": ("mha", ["strategy=ddp"]),
     "zero1_qk": ("mha", ["strategy=zero1"]),
@@ -491,11 +492,16 @@ QK_TWO = {
     "tp2_qk": ("mha", ["strategy=tp", "tp=2"]),
     "tp2_gqa_qk": ("gqa", ["strategy=tp", "tp=2"]),
     "pp2_qk": ("mha", ["strategy=pp", "pp=2"]),
+    # a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (two model parts per rank)
+    "pp2_zbv_qk": ("mha4", ["strategy=pp", "pp=2", "strategy.schedule=zbv", "strategy.virtual_stages=2"]),
     "cp2_qk": ("mha", ["strategy=ddp", "cp=2"]),
     "cp2_all_to_all_qk": ("mha", ["strategy=ddp", "cp=2", "cp_method=all_to_all"]),
     "ep2_qk": ("moe", ["strategy=zero3", "ep=2"]),
 }
-QK_FOUR = {"3d_dp2_tp2_qk": ("mha", ["strategy=3d", "tp=2", "strategy.data_parallel=fsdp"])}
+QK_FOUR = {"3d_dp2_tp2_qk": ("mha", ["strategy=3d", "tp=2", "strategy.data_parallel=fsdp"]),
+           # dp=4 as 2 replicas x 2 shards: micro-batches of 4 (the reference's 8 would not divide the batch)
+           "hybrid_qk": ("mha", ["strategy=fsdp", "strategy.sharding=hybrid_shard", "strategy.dp_replicate=2",
+                                 "trainer.micro_batch_size=4"])}
 
 
 def _qk_runs(world: int, table: dict[str, tuple[str, list[str]]]) -> list[dict[str, Any]]:
