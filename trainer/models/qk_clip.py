@@ -74,7 +74,8 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, q_positions: torc
 class LogitMax:
     """The running per-head maximum of one attention layer's logits over the training forwards since the
     last `take` (set as `CoreAttention.logit_max`; its forward calls `record` in training mode only, so
-    validation does not count; an activation-checkpointing recompute records the same values again)."""
+    validation does not count, and `record` leaves out a pipeline's metadata inference and an
+    activation-checkpointing recompute)."""
 
     def __init__(self) -> None:
         self.value: Optional[torch.Tensor] = None

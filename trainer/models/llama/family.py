@@ -52,4 +52,5 @@ class LlamaFamily(DecoderFamily):
                  QKClipAttention(module.core_attention, module.wq.weight, module.wk.weight, module.head_dim))
                 for name, module in model.named_modules() if isinstance(module, Attention)]
 
+
 FAMILY = LlamaFamily()
