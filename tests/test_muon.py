@@ -9,6 +9,13 @@ Fast tier: one process, 20 steps against the reference; the parameter groups; an
 Slow tier: ddp, zero1, zero2, zero3, tp=2, pp=2 and ep=2 (MoE) on 2 processes and 3d (dp=2 x tp=2, FSDP) on
 4, in the session's shared launches (tests/launch_pool.py), against the reference run in this process;
 and every matrix orthogonalised exactly once per step over all ranks (counted).
+
+QK-clip (`optimizer.qk_clip_tau`, MuonClip): the reference (`ReferenceQKClip`) recomputes every head's full
+logits from each attention layer's input with a naive attention and scales the rows by hand. Fast tier: one
+process, 6 steps, with one key head per query head and with grouped-query attention (also with document
+masking, and with activation checkpointing); the refusals. Slow tier: ddp, zero1, zero2, zero3, zero3 with
+ep=2 (MoE), tp=2 (also GQA), pp=2 (also zbv's V) and cp=2 (ring and all-to-all) on 2 processes, 3d (dp=2 x
+tp=2, FSDP) and hybrid sharding (2 x 2) on 4, in the same launches, against the reference run in this process.
 """
 
 from __future__ import annotations
@@ -66,8 +73,10 @@ class ReferenceMuon(torch.optim.Optimizer):
     hidden_matrix_group = True
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float, nesterov: bool, ns_steps: int,
-                 ns_dtype: str, rms_scale: float, adamw_lr: float, adamw_betas: list[float], adamw_eps: float) -> None:
+                 ns_dtype: str, rms_scale: float, adamw_lr: float, adamw_betas: list[float], adamw_eps: float,
+                 qk_clip_tau: float | None = None) -> None:
         assert ns_dtype == "float32"
+        assert qk_clip_tau is None  # the reference clips in `ReferenceQKClip`, not through the trainer
         groups = [dict(g) for g in params]
         for group in groups:
             group["lr"] = lr if group.get("use_muon") else adamw_lr
@@ -119,6 +128,79 @@ class CountNewtonSchulz(Callback):
         if trainer.strategy.is_global_zero:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             (Path(self.directory) / "ns.json").write_text(json.dumps({"ns_matrices": int(count.item())}))
+
+
+class ReferenceQKClip(Callback):
+    """QK-clip (MuonClip) written out for one process: a forward pre-hook on every attention layer recomputes
+    its queries and keys from the layer's input with a naive matmul, RoPE by hand and the full [S, S] logits
+    of each head, and keeps each head's largest causal logit of the step; after the step (the batch's end) every
+    head above tau is scaled by hand: sqrt(gamma) on its wq and wk rows, or gamma on its wq rows alone when
+    heads share a key head. Writes the clipped heads of each step to `directory`/qk_reference.json."""
+
+    def __init__(self, tau: float, directory: str | None = None) -> None:
+        self.tau, self.directory = tau, directory
+        self.clipped: list[int] = []
+        self.largest: list[float] = []
+        self.documents_crossed = 0  # sequences seen holding more than one document (document masking)
+
+    def on_fit_start(self, trainer: Any) -> None:
+        from trainer.models.llama.model import Attention
+
+        assert trainer.strategy.world_size == 1
+        self.layers = {name: m for name, m in trainer.model_parts[0].named_modules() if isinstance(m, Attention)}
+        self.maxima = {name: [-math.inf] * m.n_heads for name, m in self.layers.items()}
+        for name, module in self.layers.items():
+            module.register_forward_pre_hook(lambda module, args, name=name: self.record(name, module, *args))
+
+    @torch.no_grad()
+    def record(self, name: str, attention: Any, x: torch.Tensor, rope_cache: torch.Tensor,
+               doc_ids: torch.Tensor | None = None) -> None:
+        if not attention.training:  # validation does not count
+            return
+        batch, seq, _ = x.shape
+        d, group = attention.head_dim, attention.n_heads // attention.n_kv_heads
+        q = (x @ attention.wq.weight.T).view(batch, seq, attention.n_heads, d)
+        k = (x @ attention.wk.weight.T).view(batch, seq, attention.n_kv_heads, d)
+        # the rotation of each position ([seq, 2d]; [batch, seq, 2d] with documents, positions restarting)
+        cos, sin = rope_cache[..., None, :d], rope_cache[..., None, d:]
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:  # RoPE, rotate-half layout
+            return t * cos + torch.cat((-t[..., d // 2:], t[..., :d // 2]), dim=-1) * sin
+
+        q, k = rotate(q), rotate(k)
+        allowed = torch.ones(seq, seq, dtype=torch.bool).tril().expand(batch, seq, seq)
+        if doc_ids is not None:  # and within each document
+            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+            self.documents_crossed += int((doc_ids[:, 1:] != doc_ids[:, :-1]).any(dim=1).sum())
+        for h in range(attention.n_heads):
+            logits = q[:, :, h] @ k[:, :, h // group].transpose(1, 2) / math.sqrt(d)  # [batch, seq, seq]
+            largest = float(logits.masked_fill(~allowed, -math.inf).max())
+            self.maxima[name][h] = max(self.maxima[name][h], largest)
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: Any, outputs: Any) -> None:
+        clipped = 0
+        for name, attention in self.layers.items():
+            d, shared = attention.head_dim, attention.n_heads != attention.n_kv_heads
+            for h, largest in enumerate(self.maxima[name]):
+                if largest > self.tau:
+                    gamma = self.tau / largest
+                    clipped += 1
+                    if shared:
+                        attention.wq.weight[h * d:(h + 1) * d] *= gamma
+                    else:
+                        attention.wq.weight[h * d:(h + 1) * d] *= math.sqrt(gamma)
+                        attention.wk.weight[h * d:(h + 1) * d] *= math.sqrt(gamma)
+        self.largest.append(max(max(m) for m in self.maxima.values()))
+        self.clipped.append(clipped)
+        self.maxima = {name: [-math.inf] * m.n_heads for name, m in self.layers.items()}
+
+    def on_fit_end(self, trainer: Any) -> None:
+        if self.directory is not None:
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
+            (Path(self.directory) / "qk_reference.json").write_text(
+                json.dumps({"clipped": self.clipped, "largest": self.largest,
+                            "documents_crossed": self.documents_crossed}))
 
 
 def column(run_dir: Path, name: str = "train_loss") -> list[float]:
@@ -216,6 +298,101 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_momentum(tmp_path: Path) -
     assert resumed == straight[4:]  # bitwise
 
 
+# ---- QK-clip (MuonClip) -----------------------------------------------------------------------------------------
+# One key head per query head (sqrt(gamma) on wq and wk) and grouped-query attention (gamma on wq alone).
+MHA = [*MODEL[:3], "model.n_kv_heads=4", *MODEL[4:]]
+QK_MODELS = {"mha": MHA, "gqa": MODEL, "moe": MOE, "mha4": [*MHA, "model.n_layers=4"]}
+# The fast tier also runs the GQA model with packed documents (attention and the maxima within each one, RoPE
+# positions restarting) and with every block's activations recomputed in the backward (a recompute records
+# nothing again).
+QK_FAST = {"mha": MHA, "gqa": MODEL,
+           "gqa_documents": [*MODEL, "data=token_file", "data.document_masking=true"],
+           "gqa_checkpointed": [*MODEL, "activation_checkpointing=full"]}
+# The tiny models' largest logit is about 0.13 at the start: 0.1 clips some heads of most steps, not all of them.
+QK_TAU = 0.1
+QK_STEPS = 6
+
+
+def write_documents(path: Path, tokens: int = 60_000) -> Path:
+    """A byte-level token file of documents of 2 to 40 tokens, each ending with the end-of-document id 0."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        pieces = [np.append(rng.integers(1, 256, rng.integers(2, 40)), 0) for _ in range(tokens // 20)]
+        np.concatenate(pieces)[:tokens].astype(np.uint16).tofile(path / f"{split}.bin")
+    (path / "meta.json").write_text(json.dumps({
+        "format_version": 1, "dtype": "uint16", "vocab_size": 256, "tokenizer": "bytes", "eos_id": 0,
+        "num_tokens": {"train": tokens, "val": tokens}}))
+    return path
+
+
+def qk_reference(directory: Path, tau: float = QK_TAU) -> list[str]:
+    return ["+callbacks.qkref._target_=tests.test_muon.ReferenceQKClip", f"+callbacks.qkref.tau={tau}",
+            f"+callbacks.qkref.directory={directory}"]
+
+
+@pytest.mark.parametrize("model", list(QK_FAST))
+def test_qk_clip_matches_a_naive_reference(tmp_path: Path, model: str) -> None:
+    """Muon + QK-clip in the trainer against ReferenceMuon + the clip written out (ReferenceQKClip): the same
+    heads clipped at every step, the same largest logits, losses and weights."""
+    base = QK_FAST[model] + loop(QK_STEPS)
+    if "documents" in model:  # a token file instead of the byte corpus (which has no document ends)
+        base = [o for o in base if not o.startswith("data.max_bytes")]
+        base += [f"data.path={write_documents(tmp_path / 'documents')}"]
+    clipped = fit(base + MUON + [f"optimizer.qk_clip_tau={QK_TAU}"], tmp_path / "muon")
+    reference = fit(base + REFERENCE + qk_reference(tmp_path / "reference"), tmp_path / "reference")
+    expected = json.loads((tmp_path / "reference" / "qk_reference.json").read_text())
+    heads = 4 * 2
+    # the test means something: heads clipped at most steps, and at some steps only some of them (per head)
+    assert sum(count > 0 for count in expected["clipped"]) >= QK_STEPS - 1, expected["clipped"]
+    assert sum(0 < count < heads for count in expected["clipped"]) >= 2, expected["clipped"]
+    if "documents" in model:  # sequences that hold several documents, so the mask within them matters
+        assert expected["documents_crossed"] > 0
+    assert column(tmp_path / "muon", "qk_clip/clipped_heads") == expected["clipped"]
+    print(f"{model}: clipped heads per step {expected['clipped']}")
+    largest = column(tmp_path / "muon", "qk_clip/max_logit")
+    print(f"{model}: max relative logit difference "
+          f"{max(abs(a - b) / b for a, b in zip(largest, expected['largest'], strict=True)):.3g}")
+    for a, b in zip(largest, expected["largest"], strict=True):
+        assert a == pytest.approx(b, rel=QK_LOGIT_RTOL)
+    got, want = column(tmp_path / "muon"), column(tmp_path / "reference")
+    print(f"{model}: max relative loss difference {max(abs(a - b) / b for a, b in zip(got, want, strict=True)):.3g}")
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert a == pytest.approx(b, rel=1e-6), f"step {step}"
+    difference = max_weight_difference(dict(clipped.model_parts[0].state_dict()),
+                                       dict(reference.model_parts[0].state_dict()))
+    print(f"{model}: max |weight difference| {difference:.3g}")
+    assert difference < QK_WEIGHT_ATOL
+
+
+# Measured over the 6 steps: largest logits at most 6.8e-7 relative, losses 2.0e-7 relative (1e-6 above: 5x),
+# weights 4.4e-7 apart; 1e-5 leaves 15x and 23x.
+QK_LOGIT_RTOL, QK_WEIGHT_ATOL = 1e-5, 1e-5
+
+QK_REFUSED = {
+    "qwen3 (QK-norm)": (["model=qwen3_tiny"], "QK-norm"),
+    "deepseek_v3 (MLA)": (["model=deepseek_v3_tiny"], "multi-head latent attention"),
+    "gpt (fused wqkv)": (["model=gpt2_small", "model.n_layers=1"], "fused, biased wqkv"),
+    "bf16_true masters": ([*MODEL, "precision=bf16_true"], "fp32 master copies"),
+    "offloaded optimizer": ([*MODEL, "strategy=zero3", "strategy.offload_optimizer=true", "trainer.devices=2"],
+                            "host copies an offloaded optimizer steps"),
+    "tau 0": ([*MODEL, "optimizer.qk_clip_tau=0"], "must be a positive number"),
+}
+
+
+@pytest.mark.parametrize("name", list(QK_REFUSED))
+def test_qk_clip_is_refused_where_scaling_the_projections_would_not_clip(name: str) -> None:
+    from trainer.config import ConfigError, validate
+
+    overrides, message = QK_REFUSED[name]
+    with pytest.raises(ConfigError, match=message) as refused:
+        validate(compose(["optimizer=muon", "optimizer.qk_clip_tau=100", "mode=plan", *overrides]))
+    assert "qk_clip_tau" in str(refused.value) and "\n" not in str(refused.value)  # one line naming the key
+    validate(compose(["optimizer=muon", "optimizer.qk_clip_tau=100", "mode=plan", *MODEL]))  # a Llama is fine
+
+
 PLANNED = {
     "zero1": ["strategy=zero1"],
     "zero3": ["strategy=zero3"],
@@ -299,7 +476,41 @@ _RESUMED = {"name": "tp2_from_zero1", "overrides": MODEL + loop(SLOW_STEPS) + MU
 POOL.add("muon", 2, [{**run, "overrides": run["overrides"] + (
     ["callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=2"] if run["name"] == "zero1" else [])} for run in _runs(2, TWO)]
     + [_RESUMED])
-POOL.add("muon", 4, _runs(4, FOUR))
+
+# QK-clip under every way of holding the attention weights, against the one-process reference (ReferenceMuon +
+# ReferenceQKClip) run in this process: DDP, ZeRO-1 and ZeRO-2 (whole replicated weights), ZeRO-3 (FSDP2 rows
+# over dp; also with a MoE model's experts split over ep=2), tp (heads over the tp ranks: GQA too, each
+# rank's query heads sharing its key heads), pp (each stage its own layers; also a V schedule, two stages a
+# rank), cp (each rank's queries against
+# the gathered keys, maxima reduced over the cp ranks; both methods), 3d dp2 x tp2 x FSDP (FSDP2's strided
+# shards of tp shards) and hybrid sharding (a 2-D FSDP2 mesh: replicas x shards).
+QK_TWO = {
+    "ddp_qk": ("mha", ["strategy=ddp"]),
+    "zero1_qk": ("mha", ["strategy=zero1"]),
+    "zero2_qk": ("mha", ["strategy=zero2"]),
+    "zero3_qk": ("mha", ["strategy=zero3"]),
+    "tp2_qk": ("mha", ["strategy=tp", "tp=2"]),
+    "tp2_gqa_qk": ("gqa", ["strategy=tp", "tp=2"]),
+    "pp2_qk": ("mha", ["strategy=pp", "pp=2"]),
+    # a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (two model parts per rank)
+    "pp2_zbv_qk": ("mha4", ["strategy=pp", "pp=2", "strategy.schedule=zbv", "strategy.virtual_stages=2"]),
+    "cp2_qk": ("mha", ["strategy=ddp", "cp=2"]),
+    "cp2_all_to_all_qk": ("mha", ["strategy=ddp", "cp=2", "cp_method=all_to_all"]),
+    "ep2_qk": ("moe", ["strategy=zero3", "ep=2"]),
+}
+QK_FOUR = {"3d_dp2_tp2_qk": ("mha", ["strategy=3d", "tp=2", "strategy.data_parallel=fsdp"]),
+           # dp=4 as 2 replicas x 2 shards: micro-batches of 4 (the reference's 8 would not divide the batch)
+           "hybrid_qk": ("mha", ["strategy=fsdp", "strategy.sharding=hybrid_shard", "strategy.dp_replicate=2",
+                                 "trainer.micro_batch_size=4"])}
+
+
+def _qk_runs(world: int, table: dict[str, tuple[str, list[str]]]) -> list[dict[str, Any]]:
+    return [{"name": name, "overrides": QK_MODELS[model] + loop(SLOW_STEPS) + MUON + strategy + [
+        f"trainer.devices={world}", f"optimizer.qk_clip_tau={QK_TAU}"]} for name, (model, strategy) in table.items()]
+
+
+POOL.add("muon", 2, _qk_runs(2, QK_TWO))  # the same launch as the runs above (one per world size)
+POOL.add("muon", 4, _runs(4, FOUR) + _qk_runs(4, QK_FOUR))
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +521,10 @@ def launches() -> Path:
         trainer = fit(model + loop(SLOW_STEPS) + REFERENCE, _OUT / name)
         torch.save(trainer.strategy.full_state_dict(trainer.model_parts), _OUT / name / "weights.pt")
         (_OUT / name / "ns.json").write_text(json.dumps({"ns_matrices": trainer.optimizer.ns_matrices}))
+    for model, overrides in QK_MODELS.items():
+        name = f"single_qk_{model}"
+        trainer = fit(overrides + loop(SLOW_STEPS) + REFERENCE + qk_reference(_OUT / name), _OUT / name)
+        torch.save(trainer.strategy.full_state_dict(trainer.model_parts), _OUT / name / "weights.pt")
     return _OUT
 
 
@@ -354,4 +569,37 @@ def test_a_run_resumed_under_another_layout_continues_the_momentum(launches: Pat
     difference = max_weight_difference(torch.load(run / "weights.pt", weights_only=True),
                                        torch.load(single / "weights.pt", weights_only=True))
     print(f"tp2_from_zero1: max |weight difference| {difference:.3g}")
+    assert difference < WEIGHT_ATOL
+
+
+QK_SLOW = [(2, name) for name in QK_TWO] + [(4, name) for name in QK_FOUR]
+# Measured over the 3 steps, every run: largest logits at most 7.1e-7 relative (3d; 6.6e-8 to 3.9e-7 elsewhere),
+# losses 1.8e-7 relative (tp GQA; 0 for ddp, zero1, zero2, zero3, ep, pp, cp), weights 9.9e-7 apart (ep; 5.6e-7
+# cp ring, at most 3.1e-7 elsewhere): the tolerances (1e-5, and LOSS_RTOL, WEIGHT_ATOL above) leave 14x, 5.7x
+# and 5x.
+QK_SLOW_LOGIT_RTOL = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "name"), QK_SLOW, ids=[f"{w}-{n}" for w, n in QK_SLOW])
+def test_qk_clip_under_every_layout_matches_the_reference(launches: Path, world: int, name: str) -> None:
+    """The same heads clipped at every step as the naive one-process reference, the same largest logit
+    (whole-model figures, reduced over the stages and tp ranks), losses and final weights."""
+    model = {**QK_TWO, **QK_FOUR}[name][0]
+    single, run = launches / f"single_qk_{model}", launches / f"np{world}" / name
+    expected = json.loads((single / "qk_reference.json").read_text())
+    assert sum(expected["clipped"]) >= SLOW_STEPS  # heads are clipped: the test means something
+    assert column(run, "qk_clip/clipped_heads") == expected["clipped"]
+    largest = column(run, "qk_clip/max_logit")
+    print(f"{name}: max relative logit difference "
+          f"{max(abs(a - b) / b for a, b in zip(largest, expected['largest'], strict=True)):.3g}")
+    for a, b in zip(largest, expected["largest"], strict=True):
+        assert a == pytest.approx(b, rel=QK_SLOW_LOGIT_RTOL)
+    got, want = column(run), column(single)
+    print(f"{name}: max relative loss difference {max(abs(a - b) / b for a, b in zip(got, want, strict=True)):.3g}")
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert a == pytest.approx(b, rel=LOSS_RTOL), f"{name}: step {step}"
+    difference = max_weight_difference(torch.load(run / "weights.pt", weights_only=True),
+                                       torch.load(single / "weights.pt", weights_only=True))
+    print(f"{name}: max |weight difference| {difference:.3g}")
     assert difference < WEIGHT_ATOL

@@ -25,6 +25,7 @@ from trainer.interfaces.strategy import Strategy
 from trainer.hardware import peak_memory_bytes
 from trainer.memory import describe_state_bytes, state_bytes
 from trainer.models import family_of
+from trainer.models.qk_clip import QKClip
 from trainer.preemption import PreemptionSignals, TrainingPreempted, save_on_preemption
 from trainer.throughput import ThroughputMeter
 
@@ -59,6 +60,7 @@ class Trainer:
         loggers: Sequence[Any] = (),
         run_dir: Path = Path("."),
         num_active_params: int | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         self.config = config
         self.strategy = strategy
@@ -70,6 +72,8 @@ class Trainer:
             raise TypeError(f"train_loader must be a trainer.data.TrainLoader, got {type(train_loader).__name__}")
         self.train_loader = train_loader
         self.model_family = family_of(model_parts[0])  # its per-step hooks (router statistics, bias updates)
+        # QK-clip (MuonClip): the attention logits' per-head maxima of each step, clipped after its update
+        self.qk_clip = qk_clip
         self.val_set = val_set
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -261,6 +265,9 @@ class Trainer:
                 stand_ins = [stand_in for _, stand_in in self.strategy.optimizer_tensor_pairs()]
                 self.state_bytes = state_bytes(self.model_parts, self.optimizer, stand_ins)
                 log.info(f"state held per rank: {describe_state_bytes(self.state_bytes)}")
+        if self.qk_clip is not None:  # every rank, every step (its reductions are collectives); clips after updates
+            self.step_outputs["qk_clip"] = self.qk_clip.after_optimizer_step(
+                self.strategy.reduce_max, self.strategy.reduce_over_model_parallel, stepped)
         self.strategy.zero_grad(self.model_parts, self.optimizer)
         self._count_nonfinite(nonfinite, loss, grad_norm)
 
@@ -342,6 +349,7 @@ class Trainer:
             "skipped": int(outputs["skipped"]),
             **self.precision.metrics(),  # fp16: loss_scale
             **outputs.get("moe", {}),  # MoE: aux loss, expert load, dropped tokens
+            **{name: float(value) for name, value in outputs.get("qk_clip", {}).items()},  # max logit, clipped heads
         })
 
     def flush_loggers(self) -> None:

@@ -31,7 +31,8 @@ from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import DEFAULT_COLLECTIVE_TIMEOUT_S, Strategy, resolve_device
 from trainer.loop import Trainer
 from trainer.preemption import TrainingPreempted
-from trainer.models import build_meta_model
+from trainer.models import build_meta_model, family_of
+from trainer.models.qk_clip import QKClip
 from trainer.planner.accumulation import AccumulationChoice, choose_grad_sync, this_machine
 from trainer.planner.core import hardware_from_config
 from trainer.plugins.strategies.distributed import all_ranks_agree, init_process_group
@@ -167,6 +168,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     model_parts = strategy.setup_model(model, activation_checkpointing, t.compile)
 
     optimizer = strategy.build_optimizer(cfg.optimizer, model_parts)
+    # QK-clip (Muon's `qk_clip_tau`): the attention layers record their logit maxima, the loop clips after steps
+    tau = cfg.optimizer.get("qk_clip_tau", None)
+    qk_clip = None if tau is None else QKClip(float(tau), model_parts, family_of(model_parts[0]))
     steps = total_steps(cfg)
     schedule = instantiate(cfg.lr_schedule)(total_steps=steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -203,6 +207,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         # the watchdog last: its step-end deadline starts after the other callbacks (a checkpoint save)
         callbacks=[instantiate(node) for node in cfg.callbacks.values()] + watchdog(t, strategy),
         run_dir=run_dir,
+        qk_clip=qk_clip,
     )
     # Continue from a checkpoint (resume=auto|PATH), or start from given weights (init_from).
     resume(trainer, str(cfg.resume), cfg.init_from)

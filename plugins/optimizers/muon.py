@@ -33,8 +33,17 @@ Under tensor parallelism the matrices are gathered over the tp group (the math d
 orthogonalising per shard: NS of a column block is not a block of NS).
 
 Expert weights (3-D, ``experts x rows x cols``) are orthogonalised per expert, as a batch of matrices.
-QK-clip (MuonClip, Kimi K2) is not implemented. Untested: an optimizer offloaded to host memory on a GPU
-(`offload_optimizer`), whose exchange would hand NCCL host tensors; on CPU (gloo) it is the same path.
+Untested: an optimizer offloaded to host memory on a GPU (`offload_optimizer`), whose exchange would hand
+NCCL host tensors; on CPU (gloo) it is the same path.
+
+QK-clip (MuonClip, Kimi K2 2025): ``qk_clip_tau`` (``optimizer.qk_clip_tau=100``; None, the default, is off)
+caps each attention head's largest pre-softmax logit. It is not done in `step`, which never sees the
+logits: the attention records each head's maximum over the step's batch, and after the step
+`trainer.models.qk_clip.QKClip` reduces the maxima with MAX over the data- and context-parallel ranks and
+scales every head above tau by gamma = tau / max (sqrt(gamma) on its wq and wk rows; gamma on wq alone
+when query heads share a key head), under every strategy (see that module). Llama-family models only:
+validation refuses Qwen3 (QK-norm), DeepSeek-V3 (MLA, not implemented) and GPT (fused wqkv, not
+implemented), and fp32 master weights or an offloaded optimizer (their copies would undo the scaling).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -191,6 +200,8 @@ class Muon(torch.optim.Optimizer):
         rms_scale: the update is scaled by ``rms_scale * sqrt(max(rows, cols))``: RMS ~ rms_scale.
         weight_decay: decoupled weight decay of groups that do not set their own.
         adamw_lr, adamw_betas, adamw_eps: AdamW's settings for the other groups.
+        qk_clip_tau: QK-clip's largest attention logit per head (MuonClip; None: off), applied by the run
+            after each step (see the module docstring).
     """
 
     # Asks `trainer.optim.build_optimizer` for the hidden matrices as a group of their own (`use_muon`).
@@ -199,7 +210,9 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_dtype: str = "bfloat16", rms_scale: float = 0.2, weight_decay: float = 0.0,
                  adamw_lr: float = 3.0e-3, adamw_betas: tuple[float, float] | list[float] = (0.9, 0.95),
-                 adamw_eps: float = 1.0e-8) -> None:
+                 adamw_eps: float = 1.0e-8, qk_clip_tau: float | None = None) -> None:
+        if qk_clip_tau is not None and not (math.isfinite(qk_clip_tau) and qk_clip_tau > 0):
+            raise ValueError(f"qk_clip_tau must be a positive number (or None: off), got {qk_clip_tau}")
         if not lr >= 0.0 or not adamw_lr >= 0.0:
             raise ValueError(f"learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
         if not 0.0 <= momentum < 1.0:
@@ -223,6 +236,9 @@ class Muon(torch.optim.Optimizer):
         # Matrices this rank has orthogonalised (an expert's counts once): what the tests check is
         # steps x matrices over all ranks together.
         self.ns_matrices = 0
+        # QK-clip's threshold (None: off). The clip itself needs the forward's logits, so the run applies it
+        # after each step (`trainer.models.qk_clip.QKClip`, built by `trainer.run.build_trainer`).
+        self.qk_clip_tau = None if qk_clip_tau is None else float(qk_clip_tau)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # each kind of group gets its own LR unless it brings one
@@ -488,3 +504,7 @@ class MuonConfig:
     # AdamW's moment decay rates and epsilon for those groups.
     adamw_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     adamw_eps: float = 1.0e-8
+    # QK-clip (MuonClip, Kimi K2): after each step, every attention head whose largest pre-softmax logit of
+    # the step's batch exceeded this has its query/key projection rows scaled so that it would be this
+    # (Kimi K2 used 100); None: off. Llama-family models only (validation refuses the others).
+    qk_clip_tau: Optional[float] = None

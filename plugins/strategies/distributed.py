@@ -349,6 +349,26 @@ class DistributedStrategy(Strategy):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=mesh.get_group())
         return tensor / mesh.size()
 
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Maximum over the data- and context-parallel ranks."""
+        mesh = self.dims.dp_cp_mesh()
+        if mesh is None:
+            return tensor
+        tensor = tensor.detach().clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        return tensor
+
+    def reduce_over_model_parallel(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Over the pp ranks, then the tp ranks (a sum or max over both: every pair of coordinates once)."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"op must be one of {', '.join(ops)}, got {op!r}")
+        tensor = tensor.detach().clone()
+        for name in ("pp", "tp"):
+            if name in (self.dims.mesh.mesh_dim_names or ()):
+                dist.all_reduce(tensor, op=ops[op], group=self.dims.mesh[name].get_group())
+        return tensor
+
     def broadcast_object(self, obj: Any) -> Any:
         holder = [obj]
         dist.broadcast_object_list(holder, src=0)

@@ -286,7 +286,8 @@ class PrecisionStage(PipelineStage):
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
         # the forward of torch's metadata inference (first step, and after each eval/train switch): not a
-        # training forward, so MoE layers leave it out of their load statistics
+        # training forward, so MoE layers leave it out of their load statistics (and QK-clip's attention
+        # layers out of their logit maxima)
         # (on the first micro-batch's token and document ids, the shapes of every micro-batch's)
         self._set_chunk(0)
         parent = super(PrecisionStage, self)

@@ -356,6 +356,29 @@ def _validate_whole_matrix_optimizer(cfg: DictConfig, factory: Any) -> None:
                           "parallel shards); use strategy.data_parallel=zero3, fsdp or ddp, or tp=1")
 
 
+def _validate_qk_clip(cfg: DictConfig, precision: "Precision", strategy: "Strategy") -> None:
+    """QK-clip (`optimizer.qk_clip_tau`) scales the query/key projection rows of the parameters after each
+    step: the model's family must say which rows make its logits, and no copy the optimizer steps in the
+    parameters' place (fp32 masters, an offloaded optimizer's host copies) may overwrite the scaled rows."""
+    import torch
+
+    from trainer.models import family_of
+
+    tau = cfg.optimizer.get("qk_clip_tau", None)
+    if tau is None:
+        return
+    key = "optimizer.qk_clip_tau"
+    _require(_finite_number(tau) and tau > 0, key, f"must be a positive number (or null: off), got {tau}")
+    problem = family_of(OmegaConf.to_object(cfg.model)).unsupported_qk_clip(OmegaConf.to_object(cfg.model))
+    _require(problem is None, key, f"{problem} (model={cfg.model.name})")
+    _require(not (precision.master_weights and precision.param_dtype != torch.float32), key,
+             "QK-clip scales the parameters, not the fp32 master copies this precision steps; use "
+             "precision.master_weights=false or an fp32-parameter precision")
+    _require(strategy.optimizer_host is None, key,
+             "QK-clip scales the parameters, not the host copies an offloaded optimizer steps; set "
+             "strategy.offload_optimizer=false")
+
+
 def _validate_optimization(cfg: DictConfig) -> None:
     from hydra.utils import instantiate
 
@@ -549,6 +572,7 @@ def validate(cfg: DictConfig) -> None:
     policy = _instantiate_plugin(cfg, "activation_checkpointing")
     _validate_activation_checkpointing(cfg, policy, strategy)
     _validate_optimization(cfg)
+    _validate_qk_clip(cfg, precision, strategy)
     _validate_callbacks(cfg)
     _validate_resume(cfg)
     if cfg.mode != "plan":  # a plan reads no data

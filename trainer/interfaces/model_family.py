@@ -71,6 +71,18 @@ class StageModules:
     hidden_states_in: bool = False
 
 
+@dataclass(frozen=True)
+class QKClipAttention:
+    """One attention layer as QK-clip (MuonClip, `trainer.models.qk_clip`) sees it: the module whose forward
+    gets the rotated queries and keys (`[B, H, S, D]`, a `CoreAttention`: it records each head's largest
+    logit), and the projections whose rows make them (heads x head_dim rows, this rank's heads under tp)."""
+
+    core: nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    head_dim: int
+
+
 class ModelFamily:
     """The contract of a model family. Subclasses set `name`, `config_class`, `model_class` and
     `hf_adapter`, and implement the hooks without a default body."""
@@ -187,6 +199,20 @@ class ModelFamily:
         reports them. `all_reduce_sum` returns a tensor's sum over the pp ranks (a collective: every rank
         calls it alike). Nothing by default."""
         del model_parts, all_reduce_sum
+
+    # ---- QK-clip (MuonClip) ---------------------------------------------------------------------------
+    def unsupported_qk_clip(self, config: Any) -> Optional[str]:
+        """Why QK-clip (`optimizer.qk_clip_tau`) cannot act on this model, else None (validation's one line).
+        Default: not implemented for the family."""
+        del config
+        return f"QK-clip is not implemented for the {self.name} family"
+
+    def qk_clip_attention(self, model: nn.Module) -> list[tuple[str, QKClipAttention]]:
+        """(layer key, attention) of every attention layer this model or pipeline stage holds, in layer
+        order; only called when `unsupported_qk_clip` is None. None by default (`QKClip` refuses a model
+        part without any)."""
+        del model
+        return []
 
     # ---- pipeline stages ------------------------------------------------------------------------------
     def carry_into_stage(self, model: nn.Module, carried: tuple[torch.Tensor, ...]) -> None:

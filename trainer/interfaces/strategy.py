@@ -404,6 +404,17 @@ class Strategy:
     def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over the ranks that hold the same part of the model and see other tokens
+        (data x context parallel, as `reduce_mean`): QK-clip's per-head logit maxima."""
+        return tensor
+
+    def reduce_over_model_parallel(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """`op` ("sum" or "max") over the ranks that hold other parts of the model (tensor x pipeline
+        parallel): a figure of this rank's heads or layers made one of the whole model's, for logging."""
+        del op
+        return tensor
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's value of `obj` on every rank."""
         return obj

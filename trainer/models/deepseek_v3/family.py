@@ -71,6 +71,10 @@ class DeepSeekV3Family(DecoderFamily):
                 ("model.ffn_hidden_dim", config.ffn_hidden_dim, "dense MLP hidden width"),
                 ("model.vocab_size", config.vocab_size, "vocabulary rows")]
 
+    def unsupported_qk_clip(self, config: DeepSeekV3Config) -> Optional[str]:
+        return ("QK-clip for multi-head latent attention (Kimi K2's rule: q_C, k_C by sqrt(gamma), q_R by gamma, "
+                "the shared k_R untouched) is not implemented; unset optimizer.qk_clip_tau")
+
     def unsupported_parallelism(self, config: DeepSeekV3Config, *, tp: int, pp: int,
                                 cp: int) -> Optional[tuple[str, str]]:
         """Every layout is supported. Data-parallel strategies need nothing from a family; expert parallelism

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
 from trainer.interfaces.inventory import ModelInventory
@@ -15,6 +17,10 @@ class GPTFamily(DecoderFamily):
     name = "gpt"
     config_class = GPTConfig
     model_class = GPT
+
+    def unsupported_qk_clip(self, config: GPTConfig) -> Optional[str]:
+        return ("QK-clip is not implemented for GPT's fused, biased wqkv projection (and its attention kernels); "
+                "unset optimizer.qk_clip_tau")
 
     def block_split(self, block: nn.Module) -> BlockSplit:
         # The fused wqkv is laid out head by head ([n_heads, 3, head_dim]), so its contiguous row split gives

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.nn as nn
 
 from trainer.interfaces.inventory import ModelInventory
-from trainer.interfaces.model_family import BlockSplit
+from trainer.interfaces.model_family import BlockSplit, QKClipAttention
 from trainer.models.decoder import DecoderFamily, pre_norm_block_split
 from trainer.models.llama import planner
 from trainer.models.llama.hf_adapter import LlamaHFAdapter
-from trainer.models.llama.model import Llama, LlamaConfig
+from trainer.models.llama.model import Attention, Llama, LlamaConfig
 
 # Grouped-query attention: wq/wk/wv split by heads (each rank keeps n_heads/tp query heads and
 # n_kv_heads/tp key/value heads, so the grouping stays local), wo row-parallel.
@@ -41,6 +41,16 @@ class LlamaFamily(DecoderFamily):
 
     def parameter_inventory(self, config: LlamaConfig) -> ModelInventory:
         return planner.inventory(config)
+
+    def unsupported_qk_clip(self, config: LlamaConfig) -> Optional[str]:
+        return None  # RoPE'd q = wq x, k = wk x: scaling a head's rows scales its logits
+
+    def qk_clip_attention(self, model: nn.Module) -> list[tuple[str, QKClipAttention]]:
+        # every Attention under the model, whatever wraps it or its blocks (DDP, activation checkpointing,
+        # compile); the key is the block's index in the module path
+        return [(next((part for part in name.split(".") if part.isdigit()), name),
+                 QKClipAttention(module.core_attention, module.wq.weight, module.wk.weight, module.head_dim))
+                for name, module in model.named_modules() if isinstance(module, Attention)]
 
 
 FAMILY = LlamaFamily()

@@ -25,6 +25,7 @@ from trainer.models.common import (
 from trainer.models.context_parallel import ContextParallel
 from trainer.models.documents import document_mask
 from trainer.models.moe import MoE
+from trainer.models.qk_clip import LogitMax
 
 
 @dataclass
@@ -201,6 +202,9 @@ class CoreAttention(nn.Module):
     # The softmax scale of `local_attention`, which the ring's own kernels use too; None: 1 / sqrt(head
     # width), SDPA's default (a subclass with another scale, MLA's, sets it).
     scale: Optional[float] = None
+    # Set when QK-clip is on (`trainer.models.qk_clip.QKClip`): the per-head maximum logit of the training
+    # forwards, read and cleared after each optimizer step.
+    logit_max: Optional[LogitMax] = None
 
     def __init__(self, grouped: bool) -> None:
         super().__init__()
@@ -210,6 +214,8 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.logit_max is not None and self.training:
+            self.logit_max.record(q, k, self.scale, self.context_parallel, doc_ids)
         if self.context_parallel is not None:
             return self.context_parallel.attention(q, k, v, self.local_attention, doc_ids=doc_ids, scale=self.scale)
         return self.local_attention(q, k, v, doc_ids)

@@ -61,6 +61,11 @@ class Qwen3Family(DecoderFamily):
                 f"decoder_sparse_step={config.decoder_sparse_step}), which the planner does not model yet: "
                 "set trainer.preflight=false to train it without the memory check")
 
+    def unsupported_qk_clip(self, config: Qwen3Config) -> Optional[str]:
+        return ("Qwen3 RMS-normalises each head's q and k after the projections (QK-norm), so scaling wq/wk rows "
+                "does not change the logits: QK-clip does not apply (QK-norm already bounds them); "
+                "unset optimizer.qk_clip_tau")
+
     def parameter_inventory(self, config: Qwen3Config) -> ModelInventory:
         return planner.inventory(config)
 
