@@ -13,9 +13,10 @@ first configuration calibrates this machine once when no profile is cached) exac
 ep, data-parallel flavour), each at the schedule, activation-checkpointing policy and micro-batch the planner
 predicts best for it (the `--max-layouts` best predicted of them: a measurement costs 5-20 s here), plus the top
 `--trials` predicted layouts whatever they are. Each is trained for
-`--warmup` + `--steps` steps in one torchrun launch of 4 processes (`trainer.planner.trials.measure`: the
-median over the timed steps of the slowest rank's step time), in the order A B C ... then ... C B A (two
-rounds; the figure is their mean), so that a drift of the shared machine's load touches every layout alike.
+`--warmup` + `--steps` steps in one torchrun launch of 4 processes per configuration
+(`trainer.planner.trials.measure`: the median over the timed steps of the slowest rank's step time), in the
+order A B C ... then ... C B A (two rounds; the figure is their mean), so that a drift of the shared
+machine's load touches every layout alike.
 
 The pick with `plan.trials=0` is the best predicted; with `plan.trials=K` the fastest measured of the K best
 predicted (what trainer/planner/trials.py does in a run, here from the same measurements). Each is reported as
@@ -171,15 +172,21 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     configs = [feasible(name, CONFIGS[name], args.trials, args.max_layouts or 10**6)
                for name in args.only.split(",")]
-    with tempfile.TemporaryDirectory(prefix="strategy_auto-") as tmp:
-        spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"out": tmp, "steps": args.steps, "warmup": args.warmup, "configs": configs}))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
-                   f"--worker={spec}"]
-        done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(REPO)})
-        if done.returncode != 0:
-            sys.exit(done.returncode)
-        measured = json.loads((Path(tmp) / "measured.json").read_text())
+    measured: dict[str, list[float]] = {}
+    # one launch per configuration: each trial leaves the process groups of its mesh behind (gloo threads and
+    # sockets torch does not free), and a measured layout's second round in a launch of ~100 trials ran up to
+    # 1.6x its first
+    for c, config in enumerate(configs):
+        with tempfile.TemporaryDirectory(prefix="strategy_auto-") as tmp:
+            spec = Path(tmp) / "spec.json"
+            spec.write_text(json.dumps({"out": tmp, "steps": args.steps, "warmup": args.warmup, "configs": [config]}))
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                       __file__, f"--worker={spec}"]
+            done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(REPO)})
+            if done.returncode != 0:
+                sys.exit(done.returncode)
+            for key, rounds in json.loads((Path(tmp) / "measured.json").read_text()).items():
+                measured[f"{c}-{key.split('-')[1]}"] = rounds
     results = report(configs, measured, args.trials)
     load = os.getloadavg()
     print(f"\nload average after the runs (1, 5, 15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on "

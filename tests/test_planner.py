@@ -165,6 +165,26 @@ def test_narayanan_model_flops() -> None:
     assert hardware_flops == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)), rel=1e-12)
 
 
+
+@pytest.mark.parametrize("strategy", [["strategy=zero3"], ["strategy=ddp"], ["model=tiny_moe", "strategy=ddp", "ep=4"]])
+def test_no_collective_hides_behind_compute_on_a_cpu(strategy: list[str]) -> None:
+    """On a CPU gloo's collectives use the compute's cores: every one is exposed. On a GPU, data-parallel
+    traffic (FSDP's gathers, DDP's all-reduce, which the tiny model's compute covers) hides."""
+    from trainer.planner.communication import step_collectives
+
+    cfg = compose([*strategy, "trainer.devices=4", "trainer.seq_len=128", "trainer.global_batch_size=16",
+                   "trainer.micro_batch_size=4", "hardware=cpu"])
+    inv, layout = inventory(model_config(cfg)), layout_from_config(cfg)
+    cpu = hardware_from_config(cfg)
+    gpu = HardwareConfig(**{**cpu.__dict__, "device_type": "cuda"})
+    exposed = {}
+    for hardware in (cpu, gpu):
+        collectives = step_collectives(inv, layout, RankCoords(), hardware)
+        timing = estimate_time(inv, layout, RankCoords(), hardware, collectives, 0.5)
+        exposed[hardware.device_type] = (timing.exposed_comm_s, sum(c.time_s for c in collectives))
+    assert exposed["cpu"][0] == pytest.approx(exposed["cpu"][1]) and exposed["cpu"][1] > 0
+    assert exposed["cuda"][0] < 0.5 * exposed["cuda"][1]
+
 # Published parameter counts (Meta's model cards / the released checkpoints).
 LLAMA_PARAMS = {"llama2_7b": 6_738_415_616, "llama2_13b": 13_015_864_320, "llama2_70b": 68_976_648_192,
                 "llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}

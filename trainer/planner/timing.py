@@ -25,7 +25,8 @@ efficiencies at the configuration's own sizes (`matmul_shapes`, `attention_shape
 - tensor-parallel, pipeline and context-parallel traffic is on the critical path (counted in full: an
   upper bound for the ring, which sends the next K/V block while it computes on the current one); DDP's all-reduce hides
   behind the last micro-batch's backward, FSDP's per micro-batch traffic behind that micro-batch's
-  compute, whatever exceeds it is exposed; ZeRO-1's parameter all-gather follows the step (exposed).
+  compute, whatever exceeds it is exposed; ZeRO-1's parameter all-gather follows the step (exposed). On a
+  CPU nothing hides (`overlaps_compute`): gloo's collectives use the cores the compute uses.
 """
 
 from __future__ import annotations
@@ -141,6 +142,15 @@ class Timing:
     bubble_fraction: float
 
 
+def overlaps_compute(hardware: HardwareConfig) -> bool:
+    """Whether collectives can run beside compute. Not on a CPU: gloo reduces, copies and moves the bytes on
+    the cores the forward and backward use (a GPU leaves that to its copy engines and links), so no
+    collective hides there. Measured (benchmarks/strategy_auto.py, tiny model on 4 gloo processes on 2 cores):
+    zero3, whose per-block gathers the overlap rule counted as hidden (134 ms of traffic, 0 exposed), ran 1.2x
+    ddp's step, and ep=4, whose all-to-alls it hid too (189-311 ms), 1.4-2.4x the layout without ep."""
+    return hardware.device_type != "cpu"
+
+
 def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardware: HardwareConfig,
                   collectives: list[Collective], matmul_efficiency: float,
                   attention_efficiency: float | None = None) -> Timing:
@@ -170,7 +180,9 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     exposed = sum(c.time_s for c in collectives if c.dimension in ("tp", "pp", "cp")) + sum(
         c.time_s for c in zero1_gather)
     dp_time = sum(c.time_s for c in collectives if c.dimension == "dp" and c not in zero1_gather)
-    if layout.fsdp:
+    if not overlaps_compute(hardware):
+        exposed = sum(c.time_s for c in collectives)
+    elif layout.fsdp:
         exposed += max(0.0, dp_time - compute) if m == 1 else m * max(0.0, dp_time / m - per_microbatch)
     else:
         exposed += max(0.0, dp_time - per_microbatch * 2 / 3)  # behind the last backward (2/3 of its compute)
