@@ -209,7 +209,7 @@ class ModelFamily:
 
     def qk_clip_attention(self, model: nn.Module) -> list[tuple[str, QKClipAttention]]:
         """(layer key, attention) of every attention layer this model or pipeline stage holds, in layer
-        order; only called when `unsupported_qk_clip` is None. None by default (`QKClip` refuses a model
+        order; only called when `unsupported_qk_clip` is None. Empty by default (`QKClip` refuses a model
         part without any)."""
         del model
         return []

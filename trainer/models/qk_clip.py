@@ -131,7 +131,7 @@ def _scale_rows(weight: torch.Tensor, factors: torch.Tensor) -> None:
         return
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or ()
-    for name, placement in zip(names, weight.placements):
+    for name, placement in zip(names, weight.placements, strict=True):
         if name == _TP and placement != Shard(0):
             raise ValueError(f"QK-clip scales the heads' rows of a projection tensor parallelism splits by rows "
                              f"(Shard(0)); this one has {placement} on tp")
@@ -184,11 +184,12 @@ class QKClip:
         `over_model(tensor, op)`."""
         heads = [_local_rows(layer.attention.query) // layer.attention.head_dim for layer in self.layers]
         device = _local(self.layers[0].attention.query).device
-        maxima = reduce_max(torch.cat([layer.recorder.take(n, device) for layer, n in zip(self.layers, heads)]))
+        recorded = [layer.recorder.take(n, device) for layer, n in zip(self.layers, heads, strict=True)]
+        maxima = reduce_max(torch.cat(recorded))
         over = maxima > self.tau
         if stepped:
             gamma = torch.where(over, self.tau / maxima, torch.ones_like(maxima))
-            for layer, layer_gamma in zip(self.layers, gamma.split(heads)):
+            for layer, layer_gamma in zip(self.layers, gamma.split(heads), strict=True):
                 self._clip(layer.attention, layer_gamma)
         clipped = over.sum() if stepped else torch.zeros((), dtype=torch.int64, device=device)
         return {"qk_clip/max_logit": over_model(maxima.max(), "max"),
