@@ -39,10 +39,10 @@ prediction is the planner's (trainer/planner/pipeline_sim.py: torch's own order 
 at equal forward, input- and weight-gradient times, communication and bookkeeping free).
 
 `--moe` measures instead, for a small MoE under `strategy=3d pp=2 ep=2` (4 processes), the seconds per
-step each rank spends inside the forward's expert all-to-alls (blocking: exposed) under 1f1b and under
-dualpipev (a schedule that config validation refuses is printed as refused instead; none is now: 3d runs the
-split-backward schedules with data parallelism, which ep needs, since each stage gathers its FSDP2 units
-before torch's input- and weight-gradient passes).
+step each rank spends in the expert all-to-alls (forward and backward) and how much of it no compute hid:
+under 1f1b, under dualpipev run as torch orders it (`strategy.expert_overlap=false`: each overlapped pair's
+forward, then its backward) and under dualpipev with the overlap (plugins/strategies/pipeline_overlap.py:
+the pair's two passes on two threads taking turns at the all-to-alls).
 
 On a machine with fewer cores than P processes the stages also wait for a core: busy times then
 include time-slicing and the figures say more about the machine than about the schedule. Run it with
@@ -50,7 +50,7 @@ at least P cores (one intra-op thread per process is used).
 
     python benchmarks/pipeline_bubble.py      # P = 2, 4; M = 2, 4, 8, 16; all six schedules (several minutes)
     python benchmarks/pipeline_bubble.py --pp 2 --microbatches 2 4 8 --schedules 1f1b zbv dualpipev --steps 3 --warmup 1
-    python benchmarks/pipeline_bubble.py --moe --steps 3 --warmup 1   # exposed expert all-to-all, 4 processes
+    python benchmarks/pipeline_bubble.py --moe --steps 8 --warmup 2   # exposed expert all-to-all, 4 processes
     python benchmarks/pipeline_bubble.py --pp 2 --microbatches 2 4 --steps 2 --warmup 1 \\
         --dim 64 --layers 4 --seq-len 32 --micro-batch-size 2     # smoke test, ~1 min on 2 cores
 
@@ -221,28 +221,28 @@ MOE_RUN = ["model=tiny_moe", "model.dim=128", "model.n_layers=4", "model.n_heads
            "lr_schedule.warmup_steps=1", "data.max_bytes=1000000", "trainer.peak_flops=1e12",
            "strategy=3d", "pp=2", "ep=2", "trainer.devices=4", "strategy.data_parallel=fsdp"]
 MOE_SCHEDULES = {"1f1b": ["strategy.schedule=1f1b"],
-                 "dualpipev": ["strategy.schedule=dualpipev", "strategy.virtual_stages=2"]}
+                 "dualpipev": ["strategy.schedule=dualpipev", "strategy.virtual_stages=2",
+                               "strategy.expert_overlap=false"],
+                 "dualpipev+overlap": ["strategy.schedule=dualpipev", "strategy.virtual_stages=2",
+                                       "strategy.expert_overlap=true"]}
 
 
 def moe_worker(args: argparse.Namespace) -> None:
     """Per schedule: the trainer's own step over `args.steps + args.warmup` steps, with the seconds this rank
-    spends inside the expert-parallel all-to-alls of the forward (the token counts, dispatch and combine:
-    `trainer.models.moe`) summed per step. Those calls block until the peers' rows arrive (`wait_tensor`),
-    so the time in them is exposed, not hidden, unless another micro-batch computes meanwhile, which is what
-    an overlapping DualPipeV would do. The backward's all-to-alls run inside autograd and are not timed."""
+    spends in the expert-parallel all-to-alls (token counts, dispatch and combine in the forward; the
+    gradients' exchanges in the backward) and the part of them no compute covered, summed per step. Both come
+    from `ExpertOverlap`'s clock (plugins/strategies/pipeline_overlap.py) at the MoE layers' exchange
+    boundaries: without the overlap every exchange blocks its rank (all exposed); with it, per phase between
+    two turns, a thread's exchange beyond the other thread's compute is exposed."""
     import tempfile
 
-    import trainer.models.moe as moe
     from trainer.config import compose
     from trainer.config.errors import ConfigError
+    from trainer.plugins.strategies.pipeline_overlap import ExpertOverlap
     from trainer.run import build_trainer
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    clock = BusyClock()
-    moe._all_to_all = clock.wrap(moe._all_to_all)  # type: ignore[method-assign]
-    counts_exchange = dist.all_to_all_single
-    moe.dist.all_to_all_single = clock.wrap(counts_exchange)  # type: ignore[attr-defined]
     rows = []
     for schedule, overrides in MOE_SCHEDULES.items():
         steps = args.warmup + args.steps
@@ -252,35 +252,46 @@ def moe_worker(args: argparse.Namespace) -> None:
             except ConfigError as refused:  # a layout config validation refuses: reported, not timed
                 rows.append({"schedule": schedule, "refused": str(refused)})
                 if dist.get_rank() == 0:
-                    print(f"MOE {schedule:10s}: refused by config validation: {refused}", flush=True)
+                    print(f"MOE {schedule:18s}: refused by config validation: {refused}", flush=True)
                 continue
-            per_step, step_times = [], []
+            pipeline = trainer.strategy.pipeline
+            if pipeline.expert_overlap is None:  # the clock alone, the schedule's own order
+                pipeline.expert_overlap = ExpertOverlap(pairing=False)
+            clock = pipeline.expert_overlap
+            per_step: list[tuple[float, float]] = []
+            step_times: list[float] = []
+            waits: list[float] = []
             original = trainer.training_step
 
             def timed_step(*a: Any, **k: Any) -> Any:
                 dist.barrier()
-                clock.seconds = 0.0
+                clock.reset()
                 start = time.perf_counter()
                 result = original(*a, **k)
                 step_times.append(time.perf_counter() - start)
-                per_step.append(clock.seconds)
+                per_step.append((clock.comm_s, clock.exposed_s))
+                waits.append(clock.waited_s)
                 return result
 
             trainer.training_step = timed_step  # type: ignore[method-assign]
             trainer.fit()
-        mine = {"a2a_s": statistics.median(per_step[args.warmup:]),
-                "step_s": statistics.median(step_times[args.warmup:])}
+        timed = per_step[args.warmup:]
+        mine = {"a2a_s": statistics.median(c for c, _ in timed), "exposed_s": statistics.median(e for _, e in timed),
+                "step_s": statistics.median(step_times[args.warmup:]), "waited_s": statistics.median(waits[args.warmup:])}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        rows.append({"schedule": schedule, "exposed_a2a_s_per_rank": [g["a2a_s"] for g in gathered],
+        rows.append({"schedule": schedule, "a2a_s_per_rank": [g["a2a_s"] for g in gathered],
+                     "exposed_a2a_s_per_rank": [g["exposed_s"] for g in gathered],
                      "step_s": max(g["step_s"] for g in gathered),
-                     "exposed_a2a_s_mean": statistics.mean(g["a2a_s"] for g in gathered)})
+                     "a2a_s_mean": statistics.mean(g["a2a_s"] for g in gathered),
+                     "exposed_a2a_s_mean": statistics.mean(g["exposed_s"] for g in gathered),
+                     "turn_wait_s_mean": statistics.mean(g["waited_s"] for g in gathered)})
         if dist.get_rank() == 0:
             row = rows[-1]
-            print(f"MOE {schedule:10s}: step {row['step_s'] * 1e3:8.1f} ms, forward all-to-all exposed per step "
-                  f"{row['exposed_a2a_s_mean'] * 1e3:7.1f} ms (mean of ranks; "
-                  f"{100 * row['exposed_a2a_s_mean'] / row['step_s']:.1f}% of the step)", flush=True)
-    moe.dist.all_to_all_single = counts_exchange  # type: ignore[attr-defined]
+            print(f"MOE {schedule:18s}: step {row['step_s'] * 1e3:8.1f} ms, all-to-all per step "
+                  f"{row['a2a_s_mean'] * 1e3:7.1f} ms, exposed {row['exposed_a2a_s_mean'] * 1e3:7.1f} ms "
+                  f"(mean of ranks; {100 * row['exposed_a2a_s_mean'] / row['step_s']:.1f}% of the step), waiting for "
+                  f"the partner thread {row['turn_wait_s_mean'] * 1e3:.1f} ms", flush=True)
     if dist.get_rank() == 0:
         print(RESULT_PREFIX + json.dumps(rows), flush=True)
     dist.barrier()

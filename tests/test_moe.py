@@ -227,7 +227,10 @@ PARITY = {
     "tp2_x_pp2_3d_zero1_zbv": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *ZBV], 4, 4),
     "tp2_x_pp2_3d_zero1_dualpipev": (["strategy=3d", "tp=2", "pp=2", "strategy.data_parallel=zero1", *DUALPIPEV], 4, 4),
     "pp2_x_dp2_3d_ddp_zbv": (["strategy=3d", "pp=2", "strategy.data_parallel=ddp", *ZBV], 4, 4),
-    "pp2_x_ep2_3d_fsdp_dualpipev": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp", *DUALPIPEV], 4, 2),
+    # (and DualPipeV's expert overlap: each overlapped pair's forward and backward on two threads taking turns
+    # at the all-to-alls, plugins/strategies/pipeline_overlap.py)
+    "pp2_x_ep2_3d_fsdp_dualpipev": (["strategy=3d", "pp=2", "ep=2", "strategy.data_parallel=fsdp", *DUALPIPEV,
+                                     "strategy.expert_overlap=true"], 4, 2),
 }
 # Exact resume: 12 steps straight (saving at 6) vs a run resumed from step 6, both ep=2.
 RESUME_AT, RESUME_END = 6, 12
@@ -288,6 +291,14 @@ def test_moe_parallelism_matches_the_single_process_run(moe_runs: Path, name: st
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_dualpipev_ran_its_pairs_on_two_threads(moe_runs: Path) -> None:
+    """The parity above holds with the overlap engaged, not silently off (the strategy logs which)."""
+    log = (moe_runs / "np4" / "pp2_x_ep2_3d_fsdp_dualpipev" / "train.log").read_text()
+    assert "two threads that take turns at the expert all-to-alls" in log
+    assert "take turns" not in (moe_runs / "np4" / "tp2_x_pp2_3d_zero1_dualpipev" / "train.log").read_text()
 
 
 @pytest.mark.slow

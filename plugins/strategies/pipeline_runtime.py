@@ -35,8 +35,9 @@ from trainer.interfaces.precision import Precision
 from trainer.interfaces.strategy import MicroBatch
 from trainer.loss import cross_entropy_loss
 from trainer.models import family_of
-from trainer.models.moe import aux_loss_grad_scale_set
+from trainer.models.moe import aux_loss_grad_scale_set, expert_comm_gate_set
 from trainer.parallel_dims import ParallelDims
+from trainer.plugins.strategies.pipeline_overlap import ExpertOverlap
 from trainer.plugins.strategies.pipeline_schedule import (
     SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
@@ -98,6 +99,9 @@ class Pipeline:
         self._recorded_losses: list[torch.Tensor] = []
         self.tied = TiedWeights()
         self.family: Any = None  # the model's family (`split`)
+        # DualPipeV's expert overlap (its `pairing`), or only the timing of the expert all-to-alls (a benchmark's
+        # `ExpertOverlap(pairing=False)`); None: neither. Set before the first step (`ThreeD.setup_model`).
+        self.expert_overlap: ExpertOverlap | None = None
 
     # ---- topology -----------------------------------------------------------------------------------
     @property
@@ -201,6 +205,10 @@ class Pipeline:
         # scale_grads=False: the loss function already divides by the number of micro-batches
         self._schedule = schedule_class(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
                                         scale_grads=False)
+        if self.expert_overlap is not None and self.expert_overlap.pairing and self.options.schedule == "dualpipev":
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+            self._schedule.register_custom_function(OVERLAP_F_B, self.expert_overlap.run_pair)
         self._forward_order = None
         if self.options.v_shape:
             self._forward_order = v_forward_only_order(self._schedule, self.pp_size, num_microbatches)
@@ -227,7 +235,8 @@ class Pipeline:
         for stage in self.stages:
             stage.chunk_tokens, stage.chunk_doc_ids = tokens, doc_ids
         if train:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            with expert_comm_gate_set(self.expert_overlap):
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
         elif self._forward_order is not None:
             # torch's V schedules run their backward actions in eval too (skipped, except the local hand-over
             # of a gradient between a rank's two stages, which then fails): evaluate with forwards only

@@ -19,9 +19,10 @@ Schedules (`strategy.schedule`):
   open-source DualPipeV): the same V placement; in the steady state each rank runs "overlapped" actions,
   the forward of one micro-batch on one of its stages beside the full backward of another micro-batch on
   its other stage. torch runs the two sub-actions one after the other unless a function is registered for
-  them (`register_custom_function(OVERLAP_F_B, ...)`); this trainer registers none, so an expert-parallel
-  all-to-all is not hidden behind the other micro-batch's compute here (benchmarks/pipeline_bubble.py
-  measures how much of it is exposed). Needs M >= 2P (torch refuses fewer).
+  them (`register_custom_function(OVERLAP_F_B, ...)`); with expert parallelism this trainer registers
+  `ExpertOverlap.run_pair` (pipeline_overlap.py, `strategy.expert_overlap`), which runs them on two threads
+  that take turns at the all-to-alls, so one micro-batch's exchange hides behind the other's compute.
+  Needs M >= 2P (torch refuses fewer).
 
 Both V schedules: evaluation runs a forward-only order over the V (`v_forward_only_order`; torch's `eval()`
 of these schedules fails at the local gradient hand-over between a rank's two stages).
@@ -94,6 +95,10 @@ class PipelineOptions:
     layers_per_stage: Optional[Sequence[int]] = None
     embedding_weight: float = 1.0
     head_weight: float = 1.0
+    # DualPipeV with expert parallelism: run each overlapped forward + backward pair on two threads that take
+    # turns at the all-to-alls (pipeline_overlap.py). None: whenever the layout allows it; True: required
+    # (config validation says why a layout cannot); False: never (torch runs the pair one after the other).
+    expert_overlap: Optional[bool] = None
 
     def __post_init__(self) -> None:
         schedule, virtual_stages = self.schedule, self.virtual_stages

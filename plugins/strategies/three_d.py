@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -37,6 +38,7 @@ from trainer.models import family_of
 from trainer.plugins.strategies.ddp import ShardedOptimizerStates
 from trainer.plugins.strategies.distributed import DistributedStrategy
 from trainer.plugins.strategies.fsdp import FSDPOptions, FSDPSharding, accumulation_flags, reshard_gathered
+from trainer.plugins.strategies.pipeline_overlap import ExpertOverlap, overlap_refusal
 from trainer.plugins.strategies.pipeline_runtime import Pipeline, stage_init_seed
 from trainer.plugins.strategies.pipeline_schedule import PipelineOptions
 from trainer.plugins.strategies.tensor_parallel import (
@@ -51,6 +53,8 @@ DATA_PARALLEL = ("ddp", "zero1", "shard_grad_op", "zero3", "fsdp", "hybrid_shard
 REPLICATING = ("ddp", "zero1")
 # The FSDP sharding mode of each sharded flavour (the replicating ones keep the default: its checks only).
 SHARDING = {"shard_grad_op": "shard_grad_op", "hybrid_shard": "hybrid_shard"}
+
+log = logging.getLogger("trainer")
 
 
 def wrap_replicate(model: nn.Module, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy,
@@ -93,13 +97,14 @@ class ThreeD(DistributedStrategy):
 
     def __init__(self, data_parallel: str = "fsdp", *, schedule: str = "1f1b", virtual_stages: int = 1,
                  layers_per_stage: Optional[Sequence[int]] = None, embedding_weight: float = 1.0,
-                 head_weight: float = 1.0, sequence_parallel: bool = True, loss_parallel: bool = True,
-                 init: str = "auto", name: Optional[str] = None, **options: Any) -> None:
+                 head_weight: float = 1.0, expert_overlap: Optional[bool] = None, sequence_parallel: bool = True,
+                 loss_parallel: bool = True, init: str = "auto", name: Optional[str] = None, **options: Any) -> None:
         super().__init__(init=init, name=name)
         fsdp_options = FSDPOptions(**options)
         self.pipeline_options = PipelineOptions(schedule=schedule, virtual_stages=virtual_stages,
                                                 layers_per_stage=layers_per_stage,
-                                                embedding_weight=embedding_weight, head_weight=head_weight)
+                                                embedding_weight=embedding_weight, head_weight=head_weight,
+                                                expert_overlap=expert_overlap)
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         if data_parallel == "zero2":
@@ -167,6 +172,14 @@ class ThreeD(DistributedStrategy):
         # included: `PrecisionStage` gathers FSDP2's units before torch's input- and weight-gradient passes
         # (pipeline_schedule.py's docstring says why they would miss resharded parameters otherwise).
 
+    def check_expert_overlap(self, *, pp: int, ep: int, tp: int, cp: int, checkpointing: str) -> None:
+        if not self.pipeline_options.expert_overlap:
+            return  # off, or left open: a layout that cannot runs without it
+        refusal = "pp=1 has no pipeline" if pp < 2 else overlap_refusal(
+            schedule=self.pipeline_options.schedule, ep=ep, tp=tp, cp=cp, checkpointing=checkpointing)
+        if refusal is not None:
+            raise ValueError(f"true cannot run: {refusal}")
+
     def check_tensor_parallel(self, model_cfg: Any, tp: int, seq_len: int, sequence_parallel: bool = True) -> None:
         if tp > 1:  # tp=1 is legitimate here: the other dimensions still split the work
             check_tensor_parallel_sizes(model_cfg, tp, seq_len, sequence_parallel)
@@ -223,7 +236,27 @@ class ThreeD(DistributedStrategy):
                 keep_grads_in_param_layout(part, self.tp_mesh)
         if self.pipeline is not None:
             self.pipeline.finish_setup(parts, self.unwrap)
+            self.pipeline.expert_overlap = self._expert_overlap(activation_checkpointing)
         return parts
+
+    def _expert_overlap(self, policy: ActivationCheckpointing) -> Optional[ExpertOverlap]:
+        """DualPipeV's expert overlap when `strategy.expert_overlap` asks for it or leaves it open and the
+        layout allows it (config validation refused a required one that cannot run)."""
+        options = self.pipeline_options
+        if options.expert_overlap is False or options.schedule != "dualpipev" or not self.dims.ep_enabled:
+            return None
+        refusal = overlap_refusal(schedule=options.schedule, ep=self.dims.ep, tp=self.dims.tp, cp=self.dims.cp,
+                                  checkpointing=policy.name)
+        if refusal is not None:
+            if options.expert_overlap:
+                raise ValueError(f"strategy.expert_overlap=true cannot run: {refusal}")
+            if self.is_global_zero:
+                log.info(f"dualpipev: expert all-to-alls not overlapped ({refusal})")
+            return None
+        if self.is_global_zero:
+            log.info("dualpipev: each overlapped forward + backward pair runs on two threads that take turns at the "
+                     "expert all-to-alls")
+        return ExpertOverlap()
 
     def make_optimizer(self, optimizer_cfg: DictConfig, model_parts: Sequence[nn.Module]) -> torch.optim.Optimizer:
         modules = self.pipeline.optimizer_modules(model_parts) if self.pipeline is not None else list(model_parts)
@@ -317,6 +350,10 @@ class ThreeDConfig(FSDPOptions):
     layers_per_stage: Optional[list[int]] = None
     embedding_weight: float = 1.0
     head_weight: float = 1.0
+    # dualpipev with ep > 1: hide each overlapped pair's expert all-to-alls behind the other micro-batch's
+    # compute (two threads taking turns; not with tp, cp or activation checkpointing). null: when the layout
+    # allows it; true: required; false: off.
+    expert_overlap: Optional[bool] = None
     # Tensor parallel: sequence parallelism for norms/residuals, vocab-parallel loss.
     sequence_parallel: bool = True
     loss_parallel: bool = True

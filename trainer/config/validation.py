@@ -310,6 +310,15 @@ def _validate_activation_checkpointing(cfg: DictConfig, policy: "ActivationCheck
         raise _plugin_error("activation_checkpointing", error) from None
 
 
+def _validate_expert_overlap(cfg: DictConfig, policy: "ActivationCheckpointing", strategy: "Strategy") -> None:
+    """A required overlap of the expert all-to-alls (DualPipeV's `strategy.expert_overlap=true`) can run."""
+    try:
+        strategy.check_expert_overlap(pp=int(cfg.pp), ep=int(cfg.get("ep", 1)), tp=int(cfg.tp), cp=int(cfg.cp),
+                                      checkpointing=policy.name)
+    except ValueError as error:
+        raise ConfigError("strategy.expert_overlap", str(error)) from None
+
+
 def _finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -571,6 +580,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_model(cfg, strategy)
     policy = _instantiate_plugin(cfg, "activation_checkpointing")
     _validate_activation_checkpointing(cfg, policy, strategy)
+    _validate_expert_overlap(cfg, policy, strategy)
     _validate_optimization(cfg)
     _validate_qk_clip(cfg, precision, strategy)
     _validate_callbacks(cfg)

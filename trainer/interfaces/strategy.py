@@ -133,6 +133,11 @@ class Strategy:
         (strategies without pipeline parallelism accept anything). `data_parallel`: dp x cp, the ranks each
         stage part is replicated or sharded over."""
 
+    def check_expert_overlap(self, *, pp: int, ep: int, tp: int, cp: int, checkpointing: str) -> None:
+        """Raise ValueError (one line) when the strategy is asked to overlap expert all-to-alls with pipeline
+        compute (DualPipeV) in a layout where it cannot; strategies without that option accept anything."""
+        del pp, ep, tp, cp, checkpointing
+
     def check_reduce_dtype(self, grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Raise ValueError (the reason and the fix, one line) when this strategy cannot reduce gradients
         held in `grad_dtype` in `reduce_dtype`. With one process nothing is reduced: accepted."""

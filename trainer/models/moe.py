@@ -19,7 +19,10 @@ One `MoE` replaces a block's SwiGLU `FeedForward` when `LlamaConfig.n_experts > 
   stride rule holds), else one matmul per expert. Never a Python loop over tokens.
 - **Expert parallelism** (`expert_parallel` set by the strategy): this rank holds E / ep experts (a DTensor
   `Shard(0)` of each expert weight over the ep mesh); the sorted rows go to the rank of their expert and come
-  back with two variable-split all-to-alls (their sizes exchanged first by a fixed-size one).
+  back with two variable-split all-to-alls (their sizes exchanged first by a fixed-size one). While an
+  `ExpertCommGate` is set (`expert_comm_gate_set`), the forward tells it where each exchange begins and
+  ends, and so does the backward for the exchanges' gradients: DualPipeV's overlap (pipeline_overlap.py)
+  pairs one micro-batch's all-to-all with another's compute there, and measures what stays exposed.
 
 The auxiliary losses reach the gradients without passing through the loss function: `_AttachAuxLoss`
 returns the layer's output unchanged and, in the backward, hands the aux loss the gradient
@@ -115,6 +118,61 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 _STATS_PAUSED = False
+
+
+class ExpertCommGate:
+    """Told where the expert all-to-alls begin and end (see `_CommBoundary`); the default does nothing.
+
+    `boundary(name, backward)` is called with name "dispatch" (before the token counts and rows are sent),
+    "dispatched" (after they arrived), "combine" (before the results go back) and "combined" (after), in
+    that order in a forward; in a backward in the reverse order, where "combined" and "dispatched" begin
+    an exchange (the gradients of the results and of the rows go back to their senders) and "combine" and
+    "dispatch" end it. `begins_exchange` says which.
+    """
+
+    def boundary(self, name: str, backward: bool) -> None:
+        del name, backward
+
+    @staticmethod
+    def begins_exchange(name: str, backward: bool) -> bool:
+        return (name in ("dispatch", "combine")) != backward
+
+
+_COMM_GATE: Optional[ExpertCommGate] = None
+
+
+@contextlib.contextmanager
+def expert_comm_gate_set(gate: Optional[ExpertCommGate]) -> Iterator[None]:
+    """Expert-parallel MoE layers whose forward runs within the block report their all-to-alls (forward and
+    backward) to `gate`. Global, not per thread: DualPipeV's overlap runs a forward and a backward on two
+    threads at once and both must report."""
+    global _COMM_GATE
+    previous, _COMM_GATE = _COMM_GATE, gate
+    try:
+        yield
+    finally:
+        _COMM_GATE = previous
+
+
+class _CommBoundary(torch.autograd.Function):
+    """Identity that reports an all-to-all boundary to the gate set at forward time, in the forward and,
+    for the gradient's exchange, again in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: ExpertCommGate, name: str) -> torch.Tensor:
+        ctx.gate, ctx.name = gate, name
+        gate.boundary(name, backward=False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.gate.boundary(ctx.name, backward=True)
+        return grad, None, None
+
+
+def _comm_boundary(x: torch.Tensor, name: str) -> torch.Tensor:
+    gate = _COMM_GATE
+    return x if gate is None else _CommBoundary.apply(x, gate, name)
 
 
 @contextlib.contextmanager
@@ -365,19 +423,20 @@ class MoE(nn.Module):
         ep = self.expert_parallel
         assert ep is not None
         local_experts = self.n_experts // ep.size
+        rows = _comm_boundary(rows, "dispatch")
         # Fixed-size exchange of the counts: recv[r * local + j] = rows rank r sends to my local expert j.
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts.contiguous(), group=ep.group)
         send_splits = counts.view(ep.size, local_experts).sum(1).tolist()
         recv_matrix = recv_counts.view(ep.size, local_experts).cpu()
         recv_splits = recv_matrix.sum(1).tolist()
-        received = _all_to_all(rows, send_splits, recv_splits, ep.group)
+        received = _comm_boundary(_all_to_all(rows, send_splits, recv_splits, ep.group), "dispatched")
         # Received rows are grouped by source rank, then expert: regroup them by expert for the matmuls.
         expert_of_row = torch.repeat_interleave(torch.arange(local_experts).repeat(ep.size), recv_matrix.reshape(-1))
         perm = torch.argsort(expert_of_row, stable=True).to(rows.device)
         computed = self.experts(received[perm], recv_matrix.sum(0))
-        restored = computed.index_select(0, torch.argsort(perm))
-        return _all_to_all(restored, recv_splits, send_splits, ep.group)
+        restored = _comm_boundary(computed.index_select(0, torch.argsort(perm)), "combine")
+        return _comm_boundary(_all_to_all(restored, recv_splits, send_splits, ep.group), "combined")
 
     def init_weights(self, std: float, residual_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)

@@ -16,7 +16,8 @@ starting when its rank is free and its inputs exist:
 - F(s, i) (forward of micro-batch i on stage s) after F(s - 1, i);
 - I(s, i) (input gradient) and B(s, i) (full backward: input and weight gradients) after I/B(s + 1, i)
   and F(s, i); W(s, i) (weight gradient) after I(s, i); DualPipeV's overlapped pair F + B runs as its
-  two operations one after the other (torch's default, and this trainer registers no overlap function);
+  two operations one after the other (the compute of both runs on the rank either way; the expert
+  overlap, plugins/strategies/pipeline_overlap.py, hides communication, which this model leaves out);
 - every chunk is half of a rank's layers; F, I and W each cost one unit (the equal-thirds assumption of
   both papers), B two; communication is free.
 
