@@ -114,5 +114,6 @@ def test_a_required_overlap_that_cannot_run_is_refused_in_one_line() -> None:
     validate(compose(MOE_3D + ["strategy.expert_overlap=true"]))  # runs
     with pytest.raises(ConfigError, match=r"strategy\.expert_overlap.*activation_checkpointing=full"):
         validate(compose(MOE_3D + ["strategy.expert_overlap=true", "activation_checkpointing=full"]))
-    # left open, the same layout runs without it
-    validate(compose(MOE_3D + ["activation_checkpointing=full"]))
+    validate(compose(MOE_3D + ["activation_checkpointing=full"]))  # off by default
+    with pytest.raises(ConfigError, match=r"strategy\.expert_overlap.*schedule=zbv"):
+        validate(compose(MOE_3D + ["strategy.schedule=zbv", "strategy.expert_overlap=true"]))

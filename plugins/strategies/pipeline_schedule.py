@@ -19,9 +19,10 @@ Schedules (`strategy.schedule`):
   open-source DualPipeV): the same V placement; in the steady state each rank runs "overlapped" actions,
   the forward of one micro-batch on one of its stages beside the full backward of another micro-batch on
   its other stage. torch runs the two sub-actions one after the other unless a function is registered for
-  them (`register_custom_function(OVERLAP_F_B, ...)`); with expert parallelism this trainer registers
-  `ExpertOverlap.run_pair` (pipeline_overlap.py, `strategy.expert_overlap`), which runs them on two threads
-  that take turns at the all-to-alls, so one micro-batch's exchange hides behind the other's compute.
+  them (`register_custom_function(OVERLAP_F_B, ...)`); with expert parallelism and
+  `strategy.expert_overlap=true` this trainer registers `ExpertOverlap.run_pair` (pipeline_overlap.py), which
+  runs them on two threads that take turns at the all-to-alls, so one micro-batch's exchange hides behind the
+  other's compute.
   Needs M >= 2P (torch refuses fewer).
 
 Both V schedules: evaluation runs a forward-only order over the V (`v_forward_only_order`; torch's `eval()`
@@ -96,9 +97,9 @@ class PipelineOptions:
     embedding_weight: float = 1.0
     head_weight: float = 1.0
     # DualPipeV with expert parallelism: run each overlapped forward + backward pair on two threads that take
-    # turns at the all-to-alls (pipeline_overlap.py). None: whenever the layout allows it; True: required
-    # (config validation says why a layout cannot); False: never (torch runs the pair one after the other).
-    expert_overlap: Optional[bool] = None
+    # turns at the all-to-alls (pipeline_overlap.py; config validation says why a layout cannot). False:
+    # torch's order, the pair's forward then its backward.
+    expert_overlap: bool = False
 
     def __post_init__(self) -> None:
         schedule, virtual_stages = self.schedule, self.virtual_stages

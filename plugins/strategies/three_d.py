@@ -97,7 +97,7 @@ class ThreeD(DistributedStrategy):
 
     def __init__(self, data_parallel: str = "fsdp", *, schedule: str = "1f1b", virtual_stages: int = 1,
                  layers_per_stage: Optional[Sequence[int]] = None, embedding_weight: float = 1.0,
-                 head_weight: float = 1.0, expert_overlap: Optional[bool] = None, sequence_parallel: bool = True,
+                 head_weight: float = 1.0, expert_overlap: bool = False, sequence_parallel: bool = True,
                  loss_parallel: bool = True, init: str = "auto", name: Optional[str] = None, **options: Any) -> None:
         super().__init__(init=init, name=name)
         fsdp_options = FSDPOptions(**options)
@@ -174,7 +174,7 @@ class ThreeD(DistributedStrategy):
 
     def check_expert_overlap(self, *, pp: int, ep: int, tp: int, cp: int, checkpointing: str) -> None:
         if not self.pipeline_options.expert_overlap:
-            return  # off, or left open: a layout that cannot runs without it
+            return
         refusal = "pp=1 has no pipeline" if pp < 2 else overlap_refusal(
             schedule=self.pipeline_options.schedule, ep=ep, tp=tp, cp=cp, checkpointing=checkpointing)
         if refusal is not None:
@@ -240,19 +240,15 @@ class ThreeD(DistributedStrategy):
         return parts
 
     def _expert_overlap(self, policy: ActivationCheckpointing) -> Optional[ExpertOverlap]:
-        """DualPipeV's expert overlap when `strategy.expert_overlap` asks for it or leaves it open and the
-        layout allows it (config validation refused a required one that cannot run)."""
+        """DualPipeV's expert overlap, when `strategy.expert_overlap=true` (config validation refused a layout
+        where it cannot run; checked again here for a strategy built without it)."""
         options = self.pipeline_options
-        if options.expert_overlap is False or options.schedule != "dualpipev" or not self.dims.ep_enabled:
+        if not options.expert_overlap:
             return None
         refusal = overlap_refusal(schedule=options.schedule, ep=self.dims.ep, tp=self.dims.tp, cp=self.dims.cp,
                                   checkpointing=policy.name)
         if refusal is not None:
-            if options.expert_overlap:
-                raise ValueError(f"strategy.expert_overlap=true cannot run: {refusal}")
-            if self.is_global_zero:
-                log.info(f"dualpipev: expert all-to-alls not overlapped ({refusal})")
-            return None
+            raise ValueError(f"strategy.expert_overlap=true cannot run: {refusal}")
         if self.is_global_zero:
             log.info("dualpipev: each overlapped forward + backward pair runs on two threads that take turns at the "
                      "expert all-to-alls")
@@ -350,10 +346,11 @@ class ThreeDConfig(FSDPOptions):
     layers_per_stage: Optional[list[int]] = None
     embedding_weight: float = 1.0
     head_weight: float = 1.0
-    # dualpipev with ep > 1: hide each overlapped pair's expert all-to-alls behind the other micro-batch's
-    # compute (two threads taking turns; not with tp, cp or activation checkpointing). null: when the layout
-    # allows it; true: required; false: off.
-    expert_overlap: Optional[bool] = None
+    # dualpipev with ep > 1: run each overlapped pair's forward and backward on two threads that take turns at
+    # the expert all-to-alls, so one micro-batch's exchange hides behind the other's compute (not with tp, cp or
+    # activation checkpointing: refused). Off by default: on the 2-core CPU it was measured on it hid a quarter
+    # of the exchange time but made the step slower (docs/BENCHMARKS.md); not measured on a GPU.
+    expert_overlap: bool = False
     # Tensor parallel: sequence parallelism for norms/residuals, vocab-parallel loss.
     sequence_parallel: bool = True
     loss_parallel: bool = True
