@@ -12,18 +12,24 @@ first configuration calibrates this machine once when no profile is cached) exac
 (`auto.ranked_layouts`, `auto.choose`). Measured are: every feasible parallel layout (strategy, tp, pp, cp,
 ep, data-parallel flavour), each at the schedule, activation-checkpointing policy and micro-batch the planner
 predicts best for it (the `--max-layouts` best predicted of them: a measurement costs 5-20 s here), plus the top
-`--trials` predicted layouts whatever they are. Each is trained for
-`--warmup` + `--steps` steps in one torchrun launch of 4 processes per configuration
-(`trainer.planner.trials.measure`: the median over the timed steps of the slowest rank's step time), in the
-order A B C ... then ... C B A (two rounds; the figure is their mean), so that a drift of the shared
-machine's load touches every layout alike.
+`--trials` predicted layouts whatever they are. Each is trained for `--warmup` + `--steps` steps
+(`trainer.planner.trials.measure`: the median over the timed steps of the slowest rank's step time) in a
+torchrun launch of 4 processes that measures `--per-launch` candidates plus the auto pick, in the order
+A B C ... then ... C B A (two rounds, so that a drift of the shared machine's load touches every layout
+alike). A launch holds few trials because each trial leaves its mesh's gloo groups and threads behind, which
+torch does not free, and a long launch slows down as they pile up (in one launch of 58 trials a layout's
+second round ran up to 1.8x its first). Every candidate is measured against the auto pick of its own launch:
+its figure is (its mean over the two rounds / the pick's mean in that launch) x the pick's mean over all the
+configuration's launches, so launches run under different loads still compare (the table's "rounds" are a
+candidate's two rounds, and for the pick its mean in each launch).
 
 The pick with `plan.trials=0` is the best predicted; with `plan.trials=K` the fastest measured of the K best
 predicted (what trainer/planner/trials.py does in a run, here from the same measurements). Each is reported as
 its measured step time over the fastest measured layout's (target: within 10%). The last line is one JSON
 object.
 
-    python benchmarks/strategy_auto.py [--only tiny,budget,moe,long] [--steps 3] [--warmup 1] [--trials 3] [--max-layouts 16]
+    python benchmarks/strategy_auto.py [--only tiny,budget,moe,long] [--steps 3] [--warmup 1] [--trials 3]
+        [--max-layouts 16] [--per-launch 8]
 """
 
 from __future__ import annotations
@@ -119,13 +125,47 @@ def worker(spec_path: Path) -> None:
     dist.destroy_process_group()
 
 
-def report(configs: list[dict[str, Any]], measured: dict[str, list[float]], trials: int) -> dict[str, Any]:
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def measure_config(config: dict[str, Any], args: argparse.Namespace) -> None:
+    """Measure every candidate of `config` in launches of `args.per_launch` plus the auto pick (the reference);
+    sets each candidate's `measured_rounds_s`, `reference_rounds_s` (the pick's, same launch) and `measured_s`."""
+    rows = config["candidates"]
+    reference = next(i for i, row in enumerate(rows) if row["changes"] == config["auto"])
+    others = [i for i in range(len(rows)) if i != reference]
+    per_launch = args.per_launch or len(others) or 1
+    references: list[float] = []
+    for start in range(0, max(len(others), 1), per_launch):
+        chunk = [reference, *others[start:start + per_launch]]
+        with tempfile.TemporaryDirectory(prefix="strategy_auto-") as tmp:
+            spec = Path(tmp) / "spec.json"
+            spec.write_text(json.dumps({"out": tmp, "steps": args.steps, "warmup": args.warmup,
+                                        "configs": [{**config, "candidates": [rows[i] for i in chunk]}]}))
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                       __file__, f"--worker={spec}"]
+            done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(REPO)})
+            if done.returncode != 0:
+                sys.exit(done.returncode)
+            measured = json.loads((Path(tmp) / "measured.json").read_text())
+        reference_rounds = measured["0-0"]
+        references.append(_mean(reference_rounds))
+        for position, i in enumerate(chunk):
+            if i != reference:
+                rows[i]["measured_rounds_s"] = measured[f"0-{position}"]
+                rows[i]["reference_rounds_s"] = reference_rounds
+    reference_s = _mean(references)
+    rows[reference]["measured_rounds_s"] = references
+    rows[reference]["reference_rounds_s"] = references
+    for row in rows:
+        row["measured_s"] = reference_s * _mean(row["measured_rounds_s"]) / _mean(row["reference_rounds_s"])
+
+
+def report(configs: list[dict[str, Any]], trials: int) -> dict[str, Any]:
     results = {}
-    for c, config in enumerate(configs):
+    for config in configs:
         rows = config["candidates"]
-        for i, row in enumerate(rows):
-            row["measured_rounds_s"] = measured[f"{c}-{i}"]
-            row["measured_s"] = sum(row["measured_rounds_s"]) / len(row["measured_rounds_s"])
         fastest = min(rows, key=lambda r: r["measured_s"])
         by_changes = {tuple(r["changes"]): r for r in rows}
         pick = by_changes[tuple(config["auto"])]
@@ -134,12 +174,13 @@ def report(configs: list[dict[str, Any]], measured: dict[str, list[float]], tria
         print(f"\n{config['name']}: {config['fitting']} layouts fit ({config['capacity_gb']:.3f} GB usable per rank) in "
               f"{config['parallel_layouts']} parallel layouts (strategy, tp, pp, cp, ep, dp flavour), {len(rows)} "
               f"measured; profile: {config['profile']}")
-        print(f"{'layout':<62}{'pred ms':>9}{'meas ms':>9}{'round 1, 2':>16}{'vs fastest':>11}  pick")
+        print(f"{'layout':<62}{'pred ms':>9}{'meas ms':>9}{'rounds':>12}{'pick rounds':>14}{'vs fastest':>11}  pick")
         for row in sorted(rows, key=lambda r: r["measured_s"]):
             marks = [m for m, r in (("auto", pick), (f"auto+trials={trials}", with_trials)) if r is row]
             rounds = ", ".join(f"{t * 1e3:.0f}" for t in row["measured_rounds_s"])
+            pick_rounds = ", ".join(f"{t * 1e3:.0f}" for t in row["reference_rounds_s"])
             print(f"{row['description']:<62}{row['predicted_s'] * 1e3:>9.1f}{row['measured_s'] * 1e3:>9.1f}"
-                  f"{rounds:>16}{row['measured_s'] / fastest['measured_s']:>11.3f}  {' '.join(marks)}")
+                  f"{rounds:>12}{pick_rounds:>14}{row['measured_s'] / fastest['measured_s']:>11.3f}  {' '.join(marks)}")
         results[config["name"]] = {
             "fitting": config["fitting"], "parallel_layouts": config["parallel_layouts"],
             "measured_layouts": len(rows), "profile": config["profile"],
@@ -151,7 +192,7 @@ def report(configs: list[dict[str, Any]], measured: dict[str, list[float]], tria
             "auto_trials_within_target": with_trials["measured_s"] <= (1 + TARGET) * fastest["measured_s"],
             "auto_memory_gb": pick["memory_gb"], "capacity_gb": config["capacity_gb"],
             "rows": [{k: r[k] for k in ("description", "changes", "predicted_s", "measured_s", "measured_rounds_s",
-                                        "memory_gb")} for r in rows],
+                                        "reference_rounds_s", "memory_gb")} for r in rows],
         }
     return results
 
@@ -164,6 +205,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--max-layouts", type=int, default=16,
                         help="parallel layouts measured per configuration, best predicted first (0: all)")
+    parser.add_argument("--per-launch", type=int, default=8,
+                        help="candidates per torchrun launch, each beside the auto pick (0: all in one launch)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -172,22 +215,9 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     configs = [feasible(name, CONFIGS[name], args.trials, args.max_layouts or 10**6)
                for name in args.only.split(",")]
-    measured: dict[str, list[float]] = {}
-    # one launch per configuration: each trial leaves the process groups of its mesh behind (gloo threads and
-    # sockets torch does not free), and a measured layout's second round in a launch of ~100 trials ran up to
-    # 1.6x its first
-    for c, config in enumerate(configs):
-        with tempfile.TemporaryDirectory(prefix="strategy_auto-") as tmp:
-            spec = Path(tmp) / "spec.json"
-            spec.write_text(json.dumps({"out": tmp, "steps": args.steps, "warmup": args.warmup, "configs": [config]}))
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                       __file__, f"--worker={spec}"]
-            done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(REPO)})
-            if done.returncode != 0:
-                sys.exit(done.returncode)
-            for key, rounds in json.loads((Path(tmp) / "measured.json").read_text()).items():
-                measured[f"{c}-{key.split('-')[1]}"] = rounds
-    results = report(configs, measured, args.trials)
+    for config in configs:
+        measure_config(config, args)
+    results = report(configs, args.trials)
     load = os.getloadavg()
     print(f"\nload average after the runs (1, 5, 15 min): {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on "
           f"{os.cpu_count()} cores")
@@ -195,7 +225,7 @@ def main() -> None:
         print(f"{name:<8} auto {row['auto_ratio']:.3f} x fastest, auto+trials {row['auto_trials_ratio']:.3f} x "
               f"fastest ({row['measured_layouts']} layouts measured)")
     print(json.dumps({"configs": results, "target": TARGET, "trials": args.trials, "steps": args.steps,
-                      "warmup": args.warmup, "load_average": load}, default=str))
+                      "warmup": args.warmup, "per_launch": args.per_launch, "load_average": load}, default=str))
 
 
 if __name__ == "__main__":
