@@ -4,7 +4,7 @@ Parity (fp32, same global batch and seed, 10 steps, every step logged): per-step
 gradient norms and validation losses within rtol 1e-4, final full weights (gathered from the stages)
 within atol 1e-4, for pp=2 with every schedule (DualPipeV on the GPT), pp=4 with 1f1b and interleaved 1F1B,
 strategy=3d at pp=2 x dp=2 with the split-backward schedules (zbv under zero1, dualpipev under fsdp, zero_bubble
-under zero3) and at tp=2 x pp=2 with both V schedules, and a GPT whose output head is tied to its embedding
+under zero3), at tp=2 x pp=2 and at cp=2 x pp=2 with both V schedules, and a GPT whose output head is tied to its embedding
 across the first and last stage (on two ranks, and on one: rank 0 in DualPipeV's V). Each world size is one
 torchrun launch (tests/distributed_harness.py); the references run in this process.
 """
@@ -64,11 +64,15 @@ RUNS = {  # world size: {run name: (model, schedule)}
 # non-last stage's output copied before torch's split backward detaches it).
 # run name: (schedule, data_parallel, micro-batch size: 8 / (micro x dp) pipeline micro-batches per step, tp)
 THREE_D = {
-    "3d_dp2_zero1_zbv": ("zbv", "zero1", 2, 1),
-    "3d_dp2_fsdp_dualpipev": ("dualpipev", "fsdp", 1, 1),  # 4 micro-batches: DualPipeV's minimum 2 pp
-    "3d_dp2_zero3_zero_bubble": ("zero_bubble", "zero3", 2, 1),
-    "3d_tp2_zbv": ("zbv", "zero1", 2, 2),
-    "3d_tp2_dualpipev": ("dualpipev", "zero1", 2, 2),
+    "3d_dp2_zero1_zbv": ("zbv", "zero1", 2, 1, 1),
+    "3d_dp2_fsdp_dualpipev": ("dualpipev", "fsdp", 1, 1, 1),  # 4 micro-batches: DualPipeV's minimum 2 pp
+    "3d_dp2_zero3_zero_bubble": ("zero_bubble", "zero3", 2, 1, 1),
+    "3d_tp2_zbv": ("zbv", "zero1", 2, 2, 1),
+    "3d_tp2_dualpipev": ("dualpipev", "zero1", 2, 2, 1),
+    # the sequences cut over cp=2 (ring attention) in each stage of the V; the gradients averaged over the cp
+    # ranks (zero1) or reduce-scattered over them (fsdp shards over dp x cp)
+    "3d_cp2_zbv": ("zbv", "zero1", 2, 1, 2),
+    "3d_cp2_fsdp_dualpipev": ("dualpipev", "fsdp", 2, 1, 2),
 }
 RUNS[4] |= {name: ("llama", schedule) for name, (schedule, *_) in THREE_D.items()}
 MODELS = {"llama": LLAMA, "gpt": GPT}
@@ -288,9 +292,9 @@ def column(run_dir: Path, name: str) -> list[float]:
 
 def strategy_overrides(nproc: int, name: str) -> list[str]:
     if name in THREE_D and nproc == 4:
-        _, data_parallel, micro, tp = THREE_D[name]
-        return ["strategy=3d", "pp=2", f"tp={tp}", "trainer.devices=4", f"strategy.data_parallel={data_parallel}",
-                f"trainer.micro_batch_size={micro}"]
+        _, data_parallel, micro, tp, cp = THREE_D[name]
+        return ["strategy=3d", "pp=2", f"tp={tp}", f"cp={cp}", "trainer.devices=4",
+                f"strategy.data_parallel={data_parallel}", f"trainer.micro_batch_size={micro}"]
     return ["strategy=pp", f"pp={nproc}", f"trainer.devices={nproc}"]
 
 
