@@ -35,8 +35,20 @@ with forward = input backward = weight backward time, a third of 1F1B's bubble r
 interleaved stages: idle / busy = (P - 1) / (3 V M) (an estimate under that equal-thirds assumption).
 
 ZBV and DualPipeV (two stages per rank in a V; DualPipeV needs M >= 2P) are measured the same way; their
-prediction is the planner's (trainer/planner/pipeline_sim.py: torch's own order of operations played out
-at equal forward, input- and weight-gradient times, communication and bookkeeping free).
+bubble is the planner's (trainer/planner/pipeline_sim.py: torch's own order of operations played out at
+equal forward, input- and weight-gradient times, communication and bookkeeping free).
+
+Beside that pure bubble ("theory"), each point prints the planner's idle prediction with what it counts
+on top ("planner"): the pipeline runtime's per-action overhead on the critical path
+(`trainer.planner.timing.pipeline_time`, the V schedules played out with it) and the point-to-point
+messages each rank sends, as the planner's time model counts them on a CPU (exposed: every activation or
+gradient a rank sends, `messages_sent`, at the measured time of one). Its inputs are measured in the same
+launch, before the schedules run, and none is fitted to the points: the overhead per action by the
+planner's own calibration probe (trainer/planner/pipeline_overhead.py: a near-zero-compute ZBV pipeline
+over the pp ranks, the message latency solved out), one message's time at the activation's size by the
+calibration's point-to-point exchange (trainer.commcheck.time_collective), and the compute per rank is
+each point's measured busy time (its mean over the ranks), which the planner would otherwise predict from
+FLOPs. "bubble+overhead" is the prediction without the messages.
 
 `--moe` measures instead, for a small MoE under `strategy=3d pp=2 ep=2` (4 processes), the seconds per
 step each rank spends inside the forward's expert all-to-alls (blocking: exposed) under 1f1b and under
@@ -79,7 +91,10 @@ from trainer.plugins.activation_checkpointing import NoCheckpointing  # noqa: E4
 from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
+from trainer.commcheck import time_collective  # noqa: E402
+from trainer.planner.pipeline_overhead import measure_pipeline_overhead  # noqa: E402
 from trainer.planner.pipeline_sim import v_schedule_bubble  # noqa: E402
+from trainer.planner.timing import pipeline_time  # noqa: E402
 
 V_SCHEDULES = ("zbv", "dualpipev")
 
@@ -107,6 +122,37 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int) -> float:
         return v_schedule_bubble(schedule, pp, microbatches)
     ratio = theoretical_idle_over_busy(schedule, pp, microbatches)
     return ratio / (1 + ratio)
+
+
+MESSAGE_ITERS = 10
+
+
+def messages_sent(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
+    """Activations and gradients `pp_rank` sends to another rank per step (as trainer/planner/communication.py
+    counts the pipeline's point-to-point messages): one per micro-batch across each boundary of its stages
+    with a neighbour on another rank, forward for the activation, backward for the gradient."""
+    if schedule in V_SCHEDULES:
+        stages = [pp_rank, 2 * pp - 1 - pp_rank]
+        owner = {s: s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)}
+    else:
+        stages = [pp_rank + v * pp for v in range(VIRTUAL[schedule])]
+        owner = {s: s % pp for s in range(VIRTUAL[schedule] * pp)}
+    last = len(owner) - 1
+    # forward: the activation to stage s + 1; backward: the gradient to stage s - 1
+    crossings = sum((s < last and owner[s + 1] != pp_rank) + (s > 0 and owner[s - 1] != pp_rank) for s in stages)
+    return crossings * microbatches
+
+
+def planner_idle(schedule: str, pp: int, microbatches: int, busy_s: list[float], overhead_s: float,
+                 message_s: float) -> dict[str, float]:
+    """The planner's idle fraction of a point: bubble and per-action overhead on the critical path
+    (`pipeline_time` at the ranks' mean compute), then also each rank's sent messages, exposed."""
+    compute = statistics.mean(busy_s)
+    pipe = pipeline_time(schedule, pp, microbatches, VIRTUAL[schedule], compute, overhead_s)
+    messages = statistics.mean(messages_sent(schedule, pp, r, microbatches) for r in range(pp)) * message_s
+    return {"bubble_overhead_idle_fraction": pipe.idle_fraction,
+            "planner_idle_fraction": 1 - compute / (pipe.step_s + messages),
+            "overhead_s": pipe.overhead_s, "messages_s": messages, "actions_per_rank": pipe.actions}
 
 
 class BusyClock:
@@ -172,6 +218,13 @@ def worker(args: argparse.Namespace) -> None:
                          n_heads=max(1, args.dim // 32), ffn_hidden_dim=4 * args.dim, max_seq_len=args.seq_len)
     results = []
     clock = BusyClock()
+    # the planner's machine figures, measured first, with every pp rank taking part
+    overhead_s = measure_pipeline_overhead(torch.device("cpu")) or 0.0
+    activation = args.micro_batch_size * args.seq_len * args.dim
+    message_s = time_collective("point-to-point", activation, dist.group.WORLD, MESSAGE_ITERS, torch.device("cpu"))
+    if rank == 0:
+        print(f"P={pp} pipeline runtime overhead {overhead_s * 1e6:.0f} us per compute action; one "
+              f"{activation * 4 / 1e3:.0f} kB message {message_s * 1e3:.2f} ms", flush=True)
     for schedule in args.schedules:
         strategy = PipelineParallel(schedule=schedule, virtual_stages=VIRTUAL[schedule], embedding_weight=0.0,
                                     head_weight=0.0, init="full")
@@ -199,13 +252,16 @@ def worker(args: argparse.Namespace) -> None:
                 "virtual_stages": VIRTUAL[schedule],
                 "theory_idle_fraction": theoretical_bubble(schedule, pp, microbatches),
                 "theory_idle_over_busy": theoretical_idle_over_busy(schedule, pp, microbatches),
+                "action_overhead_s": overhead_s, "message_s": message_s,
+                **planner_idle(schedule, pp, microbatches, [s["busy_s"] for s in per_stage], overhead_s, message_s),
             }
             results.append(row)
             if rank == 0:
                 stages = " ".join(f"{f:.3f}" for f in row["idle_fraction_per_stage"])
                 print(f"P={pp} {schedule:16s} M={microbatches:2d}: step {row['step_s'] * 1e3:8.1f} ms, idle per "
                       f"stage [{stages}], mean {row['idle_fraction_mean']:.3f}, theory "
-                      f"{row['theory_idle_fraction']:.3f}", flush=True)
+                      f"{row['theory_idle_fraction']:.3f}, bubble+overhead {row['bubble_overhead_idle_fraction']:.3f}, "
+                      f"planner {row['planner_idle_fraction']:.3f}", flush=True)
         del parts, strategy
     if rank == 0:
         print(RESULT_PREFIX + json.dumps(results), flush=True)
@@ -354,7 +410,8 @@ def main() -> None:
                 "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup": args.warmup,
                 "cpu_count": os.cpu_count(), "torch": torch.__version__,
                 "convention": "idle fraction = (step - busy) / step per stage; theory x / (1 + x) with x = "
-                              "(P-1)/M (gpipe, 1f1b), (P-1)/(VM) (interleaved_1f1b), (P-1)/(3VM) (zero_bubble)"}
+                              "(P-1)/M (gpipe, 1f1b), (P-1)/(VM) (interleaved_1f1b), (P-1)/(3VM) (zero_bubble); "
+                              "planner: 1 - compute / (pipeline_time's step + messages sent x one message's time)"}
     print(json.dumps({"results": rows, "settings": settings}))
 
 
