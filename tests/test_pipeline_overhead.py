@@ -140,3 +140,15 @@ def test_the_calibrated_profile_carries_the_measured_overhead() -> None:
     assert calibrated_hardware(base, _record(4.2e-4), 2).pipeline_action_overhead_us == pytest.approx(420.0)
     # one process runs no probe: the base's figure stays
     assert calibrated_hardware(base, _record(None), 1).pipeline_action_overhead_us == 300.0
+
+
+def test_stage_costs_replace_the_equal_thirds() -> None:
+    # each stage's own compute per kind (F, I, W, B): the unit costs given explicitly play out the same step;
+    # one stage twice as slow lengthens it, and its rank's compute (busy) is what was given
+    equal = tuple((2.0, 2.0, 2.0, 4.0) for _ in range(4))
+    assert play_v_schedule("zbv", 2, 4, stage_costs=equal).makespan == pytest.approx(
+        play_v_schedule("zbv", 2, 4, unit=2.0).makespan)
+    slow = ((4.0, 4.0, 4.0, 8.0), *equal[1:])
+    played = play_v_schedule("zbv", 2, 4, stage_costs=slow)
+    assert played.makespan > play_v_schedule("zbv", 2, 4, unit=2.0).makespan
+    assert played.busy == (4 * (12.0 + 6.0), 4 * 12.0)  # rank 0 holds stages 0 and 3

@@ -78,13 +78,19 @@ class Played:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy)
 
 
+# Stage costs (`play_v_schedule`'s `stage_costs`) are given per stage in this order of operation kinds.
+KINDS = ("F", "I", "W", "B")
+
+
 @functools.lru_cache(maxsize=1024)
 def play_v_schedule(schedule: str, pp: int, microbatches: int, unit: float = 1.0, overhead: float = 0.0,
-                    message: float = 0.0) -> Played:
+                    message: float = 0.0, stage_costs: tuple[tuple[float, ...], ...] | None = None) -> Played:
     """Play torch's order of operations out: every operation costs its `COST` x `unit` of compute plus
     `overhead` (the pipeline runtime's own work per operation on its rank: bookkeeping, issuing and waiting
     on its sends and receives), and an input produced on another rank arrives `message` after its
-    producer ends (the point-to-point transfer). All three in one unit (cost units, or seconds)."""
+    producer ends (the point-to-point transfer). All in one unit (cost units, or seconds). `stage_costs`,
+    when given, replaces `COST` x `unit` by each stage's own compute per operation kind (`KINDS` order;
+    e.g. measured, where the equal-thirds assumption and equal stages do not hold)."""
     order = _torch_order(schedule, pp, microbatches)
     last = 2 * pp - 1
     done: dict[tuple[str, int, int], float] = {}
@@ -123,7 +129,7 @@ def play_v_schedule(schedule: str, pp: int, microbatches: int, unit: float = 1.0
                 start = ready(rank, kind, stage, mb)
                 if start is None:
                     break
-                compute = COST[kind] * unit
+                compute = stage_costs[stage][KINDS.index(kind)] if stage_costs else COST[kind] * unit
                 end = max(clock[rank], start) + overhead + compute
                 clock[rank], busy[rank] = end, busy[rank] + compute
                 done[(kind, stage, mb)] = end
