@@ -35,8 +35,25 @@ with forward = input backward = weight backward time, a third of 1F1B's bubble r
 interleaved stages: idle / busy = (P - 1) / (3 V M) (an estimate under that equal-thirds assumption).
 
 ZBV and DualPipeV (two stages per rank in a V; DualPipeV needs M >= 2P) are measured the same way; their
-prediction is the planner's (trainer/planner/pipeline_sim.py: torch's own order of operations played out
-at equal forward, input- and weight-gradient times, communication and bookkeeping free).
+bubble is the planner's (trainer/planner/pipeline_sim.py: torch's own order of operations played out at
+equal forward, input- and weight-gradient times, communication and bookkeeping free).
+
+Beside that pure bubble ("theory"), each point prints the planner's idle prediction with what it counts
+on top ("planner"): the pipeline runtime's per-action overhead on the critical path
+(`trainer.planner.timing.pipeline_time`, the V schedules played out with it) and the point-to-point
+messages each rank sends, as the planner's time model counts them on a CPU (exposed: every activation or
+gradient a rank sends, `messages_sent`, at the measured time of one). Its inputs are measured in the same
+launch, before the schedules run, and none is fitted to the points: the overhead per action by the
+planner's own calibration probe (trainer/planner/pipeline_overhead.py: a near-zero-compute ZBV pipeline
+over the pp ranks, the message latency solved out), one message's time at the activation's size by the
+calibration's point-to-point exchange (trainer.commcheck.time_collective), and the compute per rank is
+each point's measured busy time (its mean over the ranks), which the planner would otherwise predict from
+FLOPs. "bubble+overhead" is the prediction without the messages. For zbv and dualpipev a last figure,
+"measured costs", plays torch's order out with each stage's measured compute per forward, input-, weight-
+gradient and full backward (mean seconds per action of the timed steps), the overhead and one message per
+hand-over between ranks: what is left between it and the measurement is neither the equal-thirds
+assumption nor unequal stages (torch runs the first stage's whole backward in its weight-gradient action,
+none in the input one).
 
 `--moe` measures instead, for a small MoE under `strategy=3d pp=2 ep=2` (4 processes), the seconds per
 step each rank spends in the expert all-to-alls (forward and backward) and how much of it no compute hid:
@@ -79,7 +96,10 @@ from trainer.plugins.activation_checkpointing import NoCheckpointing  # noqa: E4
 from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
-from trainer.planner.pipeline_sim import v_schedule_bubble  # noqa: E402
+from trainer.commcheck import time_collective  # noqa: E402
+from trainer.planner.pipeline_overhead import measure_pipeline_overhead  # noqa: E402
+from trainer.planner.pipeline_sim import KINDS, play_v_schedule, v_schedule_bubble  # noqa: E402
+from trainer.planner.timing import pipeline_time  # noqa: E402
 
 V_SCHEDULES = ("zbv", "dualpipev")
 
@@ -109,49 +129,127 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int) -> float:
     return ratio / (1 + ratio)
 
 
+MESSAGE_ITERS = 10
+
+
+def messages_sent(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
+    """Activations and gradients `pp_rank` sends to another rank per step (as trainer/planner/communication.py
+    counts the pipeline's point-to-point messages): one per micro-batch across each boundary of its stages
+    with a neighbour on another rank, forward for the activation, backward for the gradient."""
+    if schedule in V_SCHEDULES:
+        stages = [pp_rank, 2 * pp - 1 - pp_rank]
+        owner = {s: s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)}
+    else:
+        stages = [pp_rank + v * pp for v in range(VIRTUAL[schedule])]
+        owner = {s: s % pp for s in range(VIRTUAL[schedule] * pp)}
+    last = len(owner) - 1
+    # forward: the activation to stage s + 1; backward: the gradient to stage s - 1
+    crossings = sum((s < last and owner[s + 1] != pp_rank) + (s > 0 and owner[s - 1] != pp_rank) for s in stages)
+    return crossings * microbatches
+
+
+def planner_idle(schedule: str, pp: int, microbatches: int, busy_s: list[float], overhead_s: float,
+                 message_s: float) -> dict[str, float]:
+    """The planner's idle fraction of a point: bubble and per-action overhead on the critical path
+    (`pipeline_time` at the ranks' mean compute), then also each rank's sent messages, exposed."""
+    compute = statistics.mean(busy_s)
+    pipe = pipeline_time(schedule, pp, microbatches, VIRTUAL[schedule], compute, overhead_s)
+    messages = statistics.mean(messages_sent(schedule, pp, r, microbatches) for r in range(pp)) * message_s
+    return {"bubble_overhead_idle_fraction": pipe.idle_fraction,
+            "planner_idle_fraction": 1 - compute / (pipe.step_s + messages),
+            "overhead_s": pipe.overhead_s, "messages_s": messages, "actions_per_rank": pipe.actions}
+
+
 class BusyClock:
-    """Seconds of compute of this rank's stage, accumulated by wrapping the stage's compute calls."""
+    """Seconds of compute of this rank's stage, accumulated by wrapping the stage's compute calls; while
+    `recording`, also per (stage, operation kind): the calls of the schedule's actions (`count`) and the
+    compute seconds inside them (`wrap` with `attribute`)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.recording = False
+        self.current: tuple[int, str] | None = None  # the action running now: (stage, kind)
+        self.calls: dict[tuple[int, str], int] = {}
+        self.by_kind: dict[tuple[int, str], float] = {}
 
-    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, function: Callable[..., Any], attribute: tuple[int, str] | None = None) -> Callable[..., Any]:
+        """`function`, timed as compute; while recording, its seconds go to `attribute` or else to the
+        action running now."""
         @functools.wraps(function)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.seconds += elapsed
+                key = attribute or self.current
+                if self.recording and key is not None:
+                    self.by_kind[key] = self.by_kind.get(key, 0.0) + elapsed
 
         return timed
+
+    def count(self, function: Callable[..., Any], action: Callable[..., tuple[int, str]]) -> Callable[..., Any]:
+        """`function` (one of the schedule's actions), counted as the (stage, kind) `action(*args, **kwargs)`
+        names, which the compute inside it is attributed to."""
+        @functools.wraps(function)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            key = action(*args, **kwargs)
+            if self.recording:
+                self.calls[key] = self.calls.get(key, 0) + 1
+            self.current = key
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.current = None
+
+        return counted
+
+    def per_call(self) -> dict[str, float]:
+        """Mean compute seconds per action of each recorded "stage/kind"."""
+        return {f"{stage}/{kind}": self.by_kind.get((stage, kind), 0.0) / calls
+                for (stage, kind), calls in self.calls.items() if calls}
 
 
 def instrument(strategy: PipelineParallel, clock: BusyClock) -> None:
     """Time the stage's forwards, backwards and loss (after the schedule has built its stages; a new
-    micro-batch count builds new stages, hence the flags)."""
-    if not getattr(strategy, "_bubble_timed", False):
-        strategy.compute_loss = clock.wrap(strategy.compute_loss)  # type: ignore[method-assign]
-        strategy._bubble_timed = True  # type: ignore[attr-defined]
+    micro-batch count builds new stages, hence the flags), each also by stage and the schedule's action
+    kind: F (forward, and the loss on the last stage), I and B (`backward_one_chunk` without and with the
+    weight gradient), W (`backward_weight_one_chunk`; on the first stage torch runs its whole backward
+    there and none in I)."""
     assert strategy.pipeline is not None
+    last = strategy.pipeline.num_stages - 1
+    if not getattr(strategy, "_bubble_timed", False):
+        strategy.compute_loss = clock.wrap(strategy.compute_loss, (last, "F"))  # type: ignore[method-assign]
+        strategy._bubble_timed = True  # type: ignore[attr-defined]
     for stage in strategy.pipeline.stages:
         if not getattr(stage, "_bubble_timed", False):
             for method in ("forward_maybe_with_nosync", "backward_maybe_with_nosync"):
                 setattr(stage, method, clock.wrap(getattr(stage, method)))
+            i = stage.stage_index
+            stage.forward_one_chunk = clock.count(  # type: ignore[method-assign]
+                stage.forward_one_chunk, lambda *a, i=i, **k: (i, "F"))
+            stage.backward_one_chunk = clock.count(  # type: ignore[method-assign]
+                stage.backward_one_chunk, lambda *a, i=i, **k: (i, "B" if k.get("full_backward", True) else "I"))
+            stage.backward_weight_one_chunk = clock.count(  # type: ignore[method-assign]
+                stage.backward_weight_one_chunk, lambda *a, i=i, **k: (i, "W"))
             stage._bubble_timed = True  # type: ignore[attr-defined]
 
 
 def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
             microbatches: list[tuple[torch.Tensor, torch.Tensor]], clock: BusyClock, steps: int,
-            warmup: int) -> dict[str, float]:
+            warmup: int) -> dict[str, Any]:
     """Median step time, busy time and idle fraction of this rank over `steps` timed steps (the
-    timers are installed during the first, untimed, step)."""
+    timers are installed during the first, untimed, step), and the mean seconds per call of each of its
+    stages' operation kinds over those steps."""
     step_times, busy_times = [], []
+    clock.calls, clock.by_kind = {}, {}
     for step in range(warmup + steps):
         for part in parts:
             part.zero_grad(set_to_none=True)
         dist.barrier()
         clock.seconds = 0.0
+        clock.recording = step >= warmup
         start = time.perf_counter()
         strategy.forward_backward(parts, microbatches)
         elapsed = time.perf_counter() - start
@@ -159,9 +257,23 @@ def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
         if step >= warmup:
             step_times.append(elapsed)
             busy_times.append(clock.seconds)
+    clock.recording = False
     idle = [max(0.0, s - b) / s for s, b in zip(step_times, busy_times)]
     return {"step_s": statistics.median(step_times), "busy_s": statistics.median(busy_times),
-            "idle_fraction": statistics.median(idle)}
+            "idle_fraction": statistics.median(idle), "per_call_s": clock.per_call()}
+
+
+def measured_costs_idle(schedule: str, pp: int, microbatches: int, per_call: dict[str, float], overhead_s: float,
+                        message_s: float) -> float | None:
+    """For zbv and dualpipev: the idle fraction of torch's order of operations played out with each stage's
+    measured seconds per forward, input-, weight-gradient and full backward (where the equal-thirds and
+    equal-stages assumptions do not hold), the per-action overhead and one message per hand-over between
+    ranks; None for the closed-form schedules."""
+    if schedule not in V_SCHEDULES:
+        return None
+    costs = tuple(tuple(per_call.get(f"{stage}/{kind}", 0.0) for kind in KINDS) for stage in range(2 * pp))
+    return play_v_schedule(schedule, pp, microbatches, overhead=overhead_s, message=message_s,
+                           stage_costs=costs).idle
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -172,6 +284,13 @@ def worker(args: argparse.Namespace) -> None:
                          n_heads=max(1, args.dim // 32), ffn_hidden_dim=4 * args.dim, max_seq_len=args.seq_len)
     results = []
     clock = BusyClock()
+    # the planner's machine figures, measured first, with every pp rank taking part
+    overhead_s = measure_pipeline_overhead(torch.device("cpu")) or 0.0
+    activation = args.micro_batch_size * args.seq_len * args.dim
+    message_s = time_collective("point-to-point", activation, dist.group.WORLD, MESSAGE_ITERS, torch.device("cpu"))
+    if rank == 0:
+        print(f"P={pp} pipeline runtime overhead {overhead_s * 1e6:.0f} us per compute action; one "
+              f"{activation * 4 / 1e3:.0f} kB message {message_s * 1e3:.2f} ms", flush=True)
     for schedule in args.schedules:
         strategy = PipelineParallel(schedule=schedule, virtual_stages=VIRTUAL[schedule], embedding_weight=0.0,
                                     head_weight=0.0, init="full")
@@ -190,6 +309,7 @@ def worker(args: argparse.Namespace) -> None:
             mine = measure(strategy, parts, batches, clock, args.steps, args.warmup)
             per_stage: list[Any] = [None] * pp
             dist.all_gather_object(per_stage, mine)
+            per_call = {key: value for s in per_stage for key, value in s["per_call_s"].items()}
             row = {
                 "pp": pp, "schedule": schedule, "microbatches": microbatches,
                 "step_s": max(s["step_s"] for s in per_stage),
@@ -199,13 +319,21 @@ def worker(args: argparse.Namespace) -> None:
                 "virtual_stages": VIRTUAL[schedule],
                 "theory_idle_fraction": theoretical_bubble(schedule, pp, microbatches),
                 "theory_idle_over_busy": theoretical_idle_over_busy(schedule, pp, microbatches),
+                "action_overhead_s": overhead_s, "message_s": message_s,
+                **planner_idle(schedule, pp, microbatches, [s["busy_s"] for s in per_stage], overhead_s, message_s),
+                "per_call_s": per_call,
+                "measured_costs_idle_fraction": measured_costs_idle(schedule, pp, microbatches, per_call, overhead_s,
+                                                                    message_s),
             }
             results.append(row)
             if rank == 0:
                 stages = " ".join(f"{f:.3f}" for f in row["idle_fraction_per_stage"])
                 print(f"P={pp} {schedule:16s} M={microbatches:2d}: step {row['step_s'] * 1e3:8.1f} ms, idle per "
                       f"stage [{stages}], mean {row['idle_fraction_mean']:.3f}, theory "
-                      f"{row['theory_idle_fraction']:.3f}", flush=True)
+                      f"{row['theory_idle_fraction']:.3f}, bubble+overhead {row['bubble_overhead_idle_fraction']:.3f}, "
+                      f"planner {row['planner_idle_fraction']:.3f}"
+                      + (f", measured costs {row['measured_costs_idle_fraction']:.3f}"
+                         if row["measured_costs_idle_fraction"] is not None else ""), flush=True)
         del parts, strategy
     if rank == 0:
         print(RESULT_PREFIX + json.dumps(results), flush=True)
@@ -365,7 +493,8 @@ def main() -> None:
                 "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup": args.warmup,
                 "cpu_count": os.cpu_count(), "torch": torch.__version__,
                 "convention": "idle fraction = (step - busy) / step per stage; theory x / (1 + x) with x = "
-                              "(P-1)/M (gpipe, 1f1b), (P-1)/(VM) (interleaved_1f1b), (P-1)/(3VM) (zero_bubble)"}
+                              "(P-1)/M (gpipe, 1f1b), (P-1)/(VM) (interleaved_1f1b), (P-1)/(3VM) (zero_bubble); "
+                              "planner: 1 - compute / (pipeline_time's step + messages sent x one message's time)"}
     print(json.dumps({"results": rows, "settings": settings}))
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from trainer.config import compose, validate
 from trainer.planner.calibrate import CALIBRATION_FILE, hardware_yaml, report, run_config
-from trainer.planner.calibration_run import calibration_worker
+from trainer.planner.calibration_run import MEASURED_FILE, calibration_worker
 from trainer.planner.hardware import HardwareConfig
 from trainer.planner.profiles import load_profile, machine_key
 
@@ -79,3 +79,8 @@ def test_two_process_calibration_through_the_cli(tmp_path: Path) -> None:
     _check(result, done.stdout)
     assert result["world_size"] == 2 and len(result["measured"]["per_rank_peak_memory_bytes"]) == 2
     assert {link["op"] for link in result["links"]} >= {"all-reduce", "all-gather", "reduce-scatter"}
+    # two processes run the pipeline-overhead probe (trainer/planner/pipeline_overhead.py) whatever the layout
+    measured = json.loads((tmp_path / MEASURED_FILE).read_text())
+    overheads = {rank["pipeline_overhead_s"] for rank in measured["ranks"]}
+    assert len(overheads) == 1 and None not in overheads
+    assert result["hardware"]["pipeline_action_overhead_us"] == pytest.approx(overheads.pop() * 1e6)

@@ -73,7 +73,9 @@ def calibrated_hardware(base: HardwareConfig, record: dict[str, Any], devices_pe
     """`base` with this machine's measured figures: each process's matmul peak per dtype and memory
     bandwidth with all processes busy (the slowest rank's), and the links' latency and bandwidth (the median
     over the groups and ops measured inside a node, and across nodes, of the slowest rank's figures).
-    Figures nothing measured (inter-node links on one node, host memory and links) stay the base's."""
+    With 2 or more processes, the pipeline runtime's overhead per compute action. Figures nothing measured
+    (inter-node links on one node, host memory and links; the pipeline overhead on one process) stay the
+    base's."""
     ranks = record["ranks"]
     hardware = replace(base, name=f"{base.name}_calibrated", devices_per_node=devices_per_node)
     for dtype in ranks[0]["matmul_flops"]:
@@ -85,6 +87,9 @@ def calibrated_hardware(base: HardwareConfig, record: dict[str, Any], devices_pe
         if rows:
             setattr(hardware, f"{prefix}_node_bandwidth_gbps", statistics.median(r["bandwidth_bps"] for r in rows) / 1e9)
             setattr(hardware, f"{prefix}_node_latency_us", statistics.median(r["latency_s"] for r in rows) * 1e6)
+    overheads = [r["pipeline_overhead_s"] for r in ranks if r.get("pipeline_overhead_s") is not None]
+    if overheads:  # every rank returns the same figure (the median over the probe's pairs)
+        hardware.pipeline_action_overhead_us = max(overheads) * 1e6
     inside = [row for row in links if not row["spans_nodes"]]
     ops = sorted({row["op"] for row in inside})
     hardware.intra_node_op_bandwidth_gbps = {
@@ -173,7 +178,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{m['peak_memory_bytes'] / MB:>12.1f}{r['peak_memory_bytes']:>20.2f}",
              ""]
     t, ph = p["time_parts_s"], m["phases_s"]
-    lines.append(f"predicted step: compute {t['compute_s']:.3f} + bubble {t['bubble_s']:.3f} + exposed communication "
+    lines.append(f"predicted step: compute {t['compute_s']:.3f} + bubble {t['bubble_s']:.3f} + pipeline overhead "
+                 f"{t['pipeline_overhead_s']:.3f} + exposed communication "
                  f"{t['exposed_communication_s']:.3f} + optimizer {t['optimizer_s']:.3f} s; measured (median, slowest "
                  f"rank): data {ph['data_s']:.3f} + forward/backward {ph['forward_backward_s']:.3f} + clip and "
                  f"optimizer {ph['optimizer_s']:.3f} s, the rest callbacks")
@@ -182,7 +188,8 @@ def format_report(report: dict[str, Any]) -> str:
                  + ", ".join(f"{v / MB:.0f}" for v in m["per_rank_peak_rss_bytes"].values()) + " MB")
     lines.append(f"calibrated hardware (one process, all busy): matmul fp32 {hw['peak_flops_fp32'] / 1e9:.1f}, bf16 "
                  f"{hw['peak_flops_bf16'] / 1e9:.1f}, fp16 {hw['peak_flops_fp16'] / 1e9:.1f} GFLOP/s; memory "
-                 f"{hw['memory_bandwidth_gbps']:.2f} GB/s")
+                 f"{hw['memory_bandwidth_gbps']:.2f} GB/s; pipeline runtime {hw['pipeline_action_overhead_us']:.0f} us "
+                 "per compute action")
     attention = report["attention_efficiency"]
     lines.append(f"at the configuration's own sizes, forward and backward: matmuls at {report['matmul_efficiency']:.0%} "
                  "of the peak (plan.matmul_efficiency), attention core at "

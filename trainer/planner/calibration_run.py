@@ -16,7 +16,9 @@ and goes, and figures taken between the steps saw the load the steps ran in):
 - memory bandwidth of one process (`trainer.hardware.memory_bandwidth`);
 - per process group of every parallel dimension in use (`ParallelDims.named_groups`, as `mode=check`),
   all-reduce, all-gather, reduce-scatter and point-to-point of a small payload (latency) and of
-  `plan.calibrate_message_mb` MiB (bandwidth), with `trainer.commcheck.time_collective`.
+  `plan.calibrate_message_mb` MiB (bandwidth), with `trainer.commcheck.time_collective`;
+- the pipeline runtime's overhead per compute action (trainer/planner/pipeline_overhead.py: a
+  near-zero-compute pipeline over pairs of ranks), with 2 or more processes, whatever the layout.
 Rank 0 writes every rank's figures to `MEASURED_FILE` in the run directory for trainer/planner/calibrate.py.
 """
 
@@ -44,6 +46,7 @@ from trainer.planner.hardware import DTYPE_NAMES
 from trainer.planner.layout import layout_from_config, model_config
 from trainer.planner.memory import RankCoords
 from trainer.planner.params import inventory
+from trainer.planner.pipeline_overhead import measure_pipeline_overhead
 from trainer.planner.timing import attention_shape, causal_block_skipping, matmul_shapes
 from trainer.run import build_trainer
 
@@ -181,7 +184,10 @@ def measure_hardware(strategy: Strategy, message_mb: float, sizes: dict[str, Any
                    "matmul_flops": {**compute["matmul_flops"], **between["matmul_flops"]}}
     bandwidth = _busy(strategy, lambda: memory_bandwidth(strategy.device.type))
     links = measure_links(strategy, message_mb)
-    return {**compute, "memory_bandwidth_bps": bandwidth, "links": links, "threads": torch.get_num_threads()}
+    # whatever the configuration's own layout: strategy=auto ranks pipelined layouts on this profile too
+    overhead = measure_pipeline_overhead(strategy.device) if dist.is_initialized() else None
+    return {**compute, "memory_bandwidth_bps": bandwidth, "links": links, "threads": torch.get_num_threads(),
+            "pipeline_overhead_s": overhead}
 
 
 def calibration_worker(cfg: DictConfig, run_dir: Path) -> None:

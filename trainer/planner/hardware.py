@@ -56,6 +56,15 @@ class HardwareConfig:
     # move their bytes at a third to a half of all-reduce's rate); an op not listed uses the link's figure.
     intra_node_op_bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     intra_node_op_latency_us: dict[str, float] = field(default_factory=dict)
+    # The pipeline runtime's own time per compute action (a chunk's forward, full backward, input- or
+    # weight-gradient pass) on its rank, in microseconds: torch's schedule walking its action list, issuing
+    # and waiting on the batched sends and receives, a backward call's autograd start; beyond the stage's
+    # compute and beyond its messages' latency and bytes (the point-to-point terms count those). Counted on
+    # the pipeline's critical path (trainer/planner/timing.py). Measured by `mode=plan plan.calibrate=true`
+    # on any run of 2 or more processes (trainer/planner/pipeline_overhead.py: a near-zero-compute ZBV
+    # pipeline over pairs of ranks). The default is that probe on the 2-core development VM (210-390 us
+    # with 2, 4 and 8 processes; 300 taken); the GPU profiles carry an estimate.
+    pipeline_action_overhead_us: float = 300.0
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s of one device for matmuls in `dtype`."""

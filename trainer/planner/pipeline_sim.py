@@ -29,6 +29,7 @@ activations a rank holds at its peak are the chunks whose forward ran and whose 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,9 +59,39 @@ def _torch_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[tu
     return order
 
 
-@functools.lru_cache(maxsize=256)
-def simulate_v_schedule(schedule: str, pp: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
-    """(bubble: mean idle fraction over the ranks, peak in-flight micro-batches of each rank)."""
+def v_stage_rank(stage: int, pp: int) -> int:
+    """The rank that holds `stage` in a V: rank r holds stages r and 2P - 1 - r."""
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+@dataclass(frozen=True)
+class Played:
+    """One step of a V schedule played out: times in the caller's unit (cost units, or seconds)."""
+
+    makespan: float  # the step: from the first operation's start to the last one's end, over all ranks
+    busy: tuple[float, ...]  # per rank, its compute (the operations' own costs, no overhead)
+    actions: tuple[int, ...]  # per rank, its compute operations (each pays `overhead` once)
+    in_flight: tuple[float, ...]  # per rank, peak in-flight micro-batches in units of its two chunks
+
+    @property
+    def idle(self) -> float:
+        """Mean over the ranks of 1 - compute / step: the bubble, plus the overhead when there is one."""
+        return sum(1 - b / self.makespan for b in self.busy) / len(self.busy)
+
+
+# Stage costs (`play_v_schedule`'s `stage_costs`) are given per stage in this order of operation kinds.
+KINDS = ("F", "I", "W", "B")
+
+
+@functools.lru_cache(maxsize=1024)
+def play_v_schedule(schedule: str, pp: int, microbatches: int, unit: float = 1.0, overhead: float = 0.0,
+                    message: float = 0.0, stage_costs: tuple[tuple[float, ...], ...] | None = None) -> Played:
+    """Play torch's order of operations out: every operation costs its `COST` x `unit` of compute plus
+    `overhead` (the pipeline runtime's own work per operation on its rank: bookkeeping, issuing and waiting
+    on its sends and receives), and an input produced on another rank arrives `message` after its
+    producer ends (the point-to-point transfer). All in one unit (cost units, or seconds). `stage_costs`,
+    when given, replaces `COST` x `unit` by each stage's own compute per operation kind (`KINDS` order;
+    e.g. measured, where the equal-thirds assumption and equal stages do not hold)."""
     order = _torch_order(schedule, pp, microbatches)
     last = 2 * pp - 1
     done: dict[tuple[str, int, int], float] = {}
@@ -70,7 +101,7 @@ def simulate_v_schedule(schedule: str, pp: int, microbatches: int) -> tuple[floa
     peak = [0] * pp
     busy = [0.0] * pp
 
-    def ready(kind: str, stage: int, mb: int) -> float | None:
+    def ready(rank: int, kind: str, stage: int, mb: int) -> float | None:
         needs: list[tuple[str, int, int]] = []
         if kind == "F" and stage > 0:
             needs.append(("F", stage - 1, mb))
@@ -80,8 +111,15 @@ def simulate_v_schedule(schedule: str, pp: int, microbatches: int) -> tuple[floa
                 needs.append(("grad", stage + 1, mb))
         if kind == "W":
             needs.append(("grad", stage, mb))
-        times = [done.get(n) for n in needs]
-        return None if any(t is None for t in times) else max([0.0, *times])  # type: ignore[type-var]
+        start = 0.0
+        for need in needs:
+            end = done.get(need)
+            if end is None:
+                return None
+            # a neighbour's activation or gradient crosses to this rank; a stage's own F or grad does not
+            crosses = need[1] != stage and v_stage_rank(need[1], pp) != rank
+            start = max(start, end + (message if crosses else 0.0))
+        return start
 
     remaining = sum(len(ops) for ops in order.values())
     while remaining:
@@ -89,11 +127,12 @@ def simulate_v_schedule(schedule: str, pp: int, microbatches: int) -> tuple[floa
         for rank in range(pp):
             while position[rank] < len(order[rank]):
                 kind, stage, mb = order[rank][position[rank]]
-                start = ready(kind, stage, mb)
+                start = ready(rank, kind, stage, mb)
                 if start is None:
                     break
-                end = max(clock[rank], start) + COST[kind]
-                clock[rank], busy[rank] = end, busy[rank] + COST[kind]
+                compute = stage_costs[stage][KINDS.index(kind)] if stage_costs else COST[kind] * unit
+                end = max(clock[rank], start) + overhead + compute
+                clock[rank], busy[rank] = end, busy[rank] + compute
                 done[(kind, stage, mb)] = end
                 if kind in ("I", "B"):
                     done[("grad", stage, mb)] = end
@@ -104,9 +143,15 @@ def simulate_v_schedule(schedule: str, pp: int, microbatches: int) -> tuple[floa
                 progressed = True
         if not progressed:
             raise RuntimeError(f"{schedule} with pp={pp}, M={microbatches}: the operations wait on each other")
-    makespan = max(clock)
-    bubble = sum(1 - b / makespan for b in busy) / pp
-    return bubble, tuple(p / 2 for p in peak)
+    return Played(makespan=max(clock), busy=tuple(busy), actions=tuple(len(order[r]) for r in range(pp)),
+                  in_flight=tuple(p / 2 for p in peak))
+
+
+def simulate_v_schedule(schedule: str, pp: int, microbatches: int) -> tuple[float, tuple[float, ...]]:
+    """(bubble: mean idle fraction over the ranks, peak in-flight micro-batches of each rank), at unit costs
+    with free communication and bookkeeping."""
+    played = play_v_schedule(schedule, pp, microbatches)
+    return played.idle, played.in_flight
 
 
 def v_schedule_bubble(schedule: str, pp: int, microbatches: int) -> float:

@@ -124,7 +124,8 @@ def format_table(result: Plan) -> str:
                  f"width; MLA: 6 x blocks x seq x heads x (qk + v head widths)): {result.flops_per_token:.4g}; "
                  f"per step {result.flops_per_step:.4g}")
     lines.append(f"estimated step time {result.step_time_s:.3f} s = compute {time['compute_s']:.3f} + bubble "
-                 f"{time['bubble_s']:.3f} + exposed communication {time['exposed_communication_s']:.3f} + optimizer "
+                 f"{time['bubble_s']:.3f} + pipeline overhead {time['pipeline_overhead_s']:.3f} + exposed "
+                 f"communication {time['exposed_communication_s']:.3f} + optimizer "
                  f"{time['optimizer_s']:.3f} + offload {time['offload_s']:.3f} (matmuls at "
                  f"{result.details['matmul_efficiency']:.0%} of peak, attention core at "
                  f"{result.details['attention_efficiency']:.0%})")

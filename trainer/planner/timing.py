@@ -10,9 +10,9 @@ sequences. MFU counts these model FLOPs only; recomputation is extra hardware wo
 (full: one more forward of the checkpointed blocks, Narayanan's 96 instead of 72; attention: the attention
 core's forward again).
 
-Step time = per-rank compute / (peak x `plan.matmul_efficiency`), stretched by the pipeline bubble, plus
-the communication that cannot hide behind compute, plus the optimizer step (memory-bound) and offload
-traffic. Compute counts hardware FLOPs: the weights' matmuls (model FLOPs plus recomputation) at
+Step time = per-rank compute / (peak x `plan.matmul_efficiency`), stretched by the pipeline bubble and the
+pipeline runtime's per-action overhead, plus the communication that cannot hide behind compute, plus the
+optimizer step (memory-bound) and offload traffic. Compute counts hardware FLOPs: the weights' matmuls (model FLOPs plus recomputation) at
 `plan.matmul_efficiency`, and the attention core apart, at `plan.attention_efficiency`, less the half of
 it a causal fused kernel skips (`causal_block_skipping`). `mode=plan plan.calibrate=true` measures both
 efficiencies at the configuration's own sizes (`matmul_shapes`, `attention_shape`) instead of assuming them:
@@ -22,6 +22,11 @@ efficiencies at the configuration's own sizes (`matmul_shapes`, `attention_shape
   V) by playing torch's own order of operations out at equal forward, input- and weight-gradient times
   (trainer/planner/pipeline_sim.py; the steady-state closed forms it reproduces at large M are Qi et al.
   2024 section 6 for ZB-V and the DeepSeek-V3 report's table 2 for DualPipe(V));
+- the pipeline runtime's own work per compute action (a chunk's forward, backward, input- or
+  weight-gradient pass: schedule bookkeeping, issuing and waiting on its sends and receives), measured per
+  machine (`HardwareConfig.pipeline_action_overhead_us`), on the critical path: the V schedules play it out
+  with each operation's cost, the closed forms lengthen every slot of the critical path by it
+  (`pipeline_time`); the pure bubble stays its own figure (`bubble_s`, `bubble_fraction`);
 - tensor-parallel, pipeline and context-parallel traffic is on the critical path (counted in full: an
   upper bound for the ring, which sends the next K/V block while it computes on the current one); DDP's all-reduce hides
   behind the last micro-batch's backward, FSDP's per micro-batch traffic behind that micro-batch's
@@ -38,7 +43,7 @@ from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import V_SCHEDULES, Layout
 from trainer.planner.memory import RankCoords, rank_numel
 from trainer.planner.params import ModelInventory
-from trainer.planner.pipeline_sim import v_schedule_bubble
+from trainer.planner.pipeline_sim import play_v_schedule, v_schedule_bubble
 
 
 def causal_block_skipping(inv: ModelInventory, layout: Layout, device_type: str) -> bool:
@@ -106,22 +111,86 @@ def recomputed_layers(inv: ModelInventory, layout: Layout) -> int:
     return 0
 
 
-def bubble_fraction(layout: Layout) -> float:
-    """Fraction of a step the pipeline's ranks idle (0 without pipelining)."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+def schedule_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Fraction of a step the pipeline's ranks idle at free communication and bookkeeping (0 without
+    pipelining): the bubble alone."""
+    p, m, v = pp, microbatches, virtual_stages
     if p == 1:
         return 0.0
-    if layout.schedule in ("gpipe", "1f1b"):
+    if schedule in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
-    if layout.schedule in V_SCHEDULES:
+    if schedule in V_SCHEDULES:
         # ZB-V (Qi et al. 2024, section 6) and DualPipeV (DeepSeek-V3 report, table 2): their steady-state
         # closed forms vanish at equal forward/input/weight times; the warm-up and cool-down at a few
         # micro-batches do not, so the planner plays torch's order of operations out (pipeline_sim.py)
-        return v_schedule_bubble(layout.schedule, p, m)
+        return v_schedule_bubble(schedule, p, m)
     bubble = (p - 1) / v
-    if layout.schedule == "zero_bubble":
+    if schedule == "zero_bubble":
         bubble /= 3
     return bubble / (m + bubble)
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """Fraction of a step the pipeline's ranks idle at free communication and bookkeeping (0 without
+    pipelining)."""
+    return schedule_bubble(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages)
+
+
+def pipeline_actions(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Compute actions the busiest rank runs per step (each pays the runtime's per-action overhead): a
+    forward and a full backward per micro-batch and stage (gpipe, 1f1b, interleaved_1f1b), a forward, an
+    input- and a weight-gradient pass (zero_bubble), torch's own list for zbv and dualpipev (whose
+    overlapped F + B pairs run as two actions). 0 without pipelining."""
+    if pp == 1:
+        return 0
+    if schedule in V_SCHEDULES:
+        return max(play_v_schedule(schedule, pp, microbatches).actions)
+    return (3 if schedule == "zero_bubble" else 2) * virtual_stages * microbatches
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """The pipeline's part of one rank's step: its compute, the bubble, and the runtime's per-action overhead
+    on the critical path, in seconds (their sum is the step before communication and the optimizer)."""
+
+    compute_s: float
+    bubble_s: float  # the bubble alone, at free communication and bookkeeping
+    overhead_s: float  # what the per-action overhead adds: its own time and the bubble slots it lengthens
+    actions: int  # compute actions of the busiest rank per step
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.overhead_s
+
+    @property
+    def idle_fraction(self) -> float:
+        """1 - compute / step: what a rank measures as idle (bubble and overhead)."""
+        return 1 - self.compute_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def pipeline_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, compute_s: float,
+                  action_overhead_s: float) -> PipelineTime:
+    """Bubble and per-action overhead of a pipeline step whose ranks each compute `compute_s`, every compute
+    action costing `action_overhead_s` more (`HardwareConfig.pipeline_action_overhead_us`).
+
+    zbv and dualpipev: torch's order of operations played out with each operation's cost plus the overhead
+    (pipeline_sim.py), a cost unit being `compute_s` over the rank's units. The closed forms: gpipe's and
+    1F1B's critical path is M + P - 1 slots of one micro-batch's forward and backward (Narayanan et al.
+    2021), interleaved 1F1B's v M + P - 1 slots of one chunk's; each slot holds one forward and one
+    backward action, so the overhead lengthens every slot by 2 x overhead, busy or bubble alike: step =
+    (compute + actions x overhead) / (1 - bubble). zero_bubble is counted the same way, its three actions a
+    slot (an estimate, as its bubble is)."""
+    bubble = schedule_bubble(schedule, pp, microbatches, virtual_stages)
+    bubble_s = compute_s * bubble / (1 - bubble) if bubble < 1 else 0.0
+    actions = pipeline_actions(schedule, pp, microbatches, virtual_stages)
+    if actions == 0 or action_overhead_s <= 0:
+        return PipelineTime(compute_s, bubble_s, 0.0, actions)
+    if schedule in V_SCHEDULES:
+        pure = play_v_schedule(schedule, pp, microbatches)
+        unit = compute_s / max(pure.busy)  # seconds per cost unit (COST: a chunk's forward is one)
+        step = play_v_schedule(schedule, pp, microbatches, unit, action_overhead_s).makespan
+        return PipelineTime(compute_s, bubble_s, max(0.0, step - compute_s - bubble_s), actions)
+    return PipelineTime(compute_s, bubble_s, actions * action_overhead_s / (1 - bubble), actions)
 
 
 @dataclass
@@ -132,7 +201,8 @@ class Timing:
     flops_per_step: float  # model FLOPs of one optimizer step, all ranks
     recompute_flops_per_step: float  # extra hardware FLOPs of recomputation, all ranks
     compute_s: float  # this rank's matmuls, without bubble
-    bubble_s: float
+    bubble_s: float  # the bubble alone (communication and bookkeeping free)
+    pipeline_overhead_s: float  # the pipeline runtime's per-action overhead on the critical path
     exposed_comm_s: float
     optimizer_s: float
     offload_s: float
@@ -154,6 +224,7 @@ def overlaps_compute(hardware: HardwareConfig) -> bool:
 def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardware: HardwareConfig,
                   collectives: list[Collective], matmul_efficiency: float,
                   attention_efficiency: float | None = None) -> Timing:
+    """One rank's step time on `hardware` and what it implies (see the module docstring for the terms)."""
     tokens = layout.global_batch_size * layout.seq_len
     per_token = inv.flops_per_token(layout.seq_len)
     model_flops = per_token * tokens
@@ -172,8 +243,9 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     compute = ((model_flops + recompute_flops - attention_flops) / (peak * matmul_efficiency)
                + attention_hw / (peak * (attention_efficiency or matmul_efficiency))) / layout.world_size
     bubble = bubble_fraction(layout)
-    bubble_s = compute * bubble / (1 - bubble) if bubble < 1 else 0.0
     m = layout.num_microbatches
+    pipe = pipeline_time(layout.schedule, layout.pp, m, layout.virtual_stages, compute,
+                         hardware.pipeline_action_overhead_us * 1e-6)
     per_microbatch = compute / m
     # on the critical path: tensor- and pipeline-parallel traffic, ZeRO-1's gather after the step
     zero1_gather = [c for c in collectives if c.op == "all-gather" and layout.dp_flavour in ("zero1", "zero2")]
@@ -207,11 +279,11 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
             hardware.host_to_device_bandwidth_gbps * 1e9)
     else:
         optimizer = touched / (hardware.memory_bandwidth_gbps * 1e9)
-    step = compute + bubble_s + exposed + optimizer + offload
+    step = pipe.step_s + exposed + optimizer + offload
     tokens_per_s = tokens / step
     return Timing(
         flops_per_token=per_token, flops_per_step=model_flops, recompute_flops_per_step=recompute_flops,
-        compute_s=compute, bubble_s=bubble_s, exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload,
+        compute_s=compute, bubble_s=pipe.bubble_s, pipeline_overhead_s=pipe.overhead_s, exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload,
         step_time_s=step, tokens_per_s=tokens_per_s,
         mfu=per_token * tokens_per_s / (layout.world_size * peak), bubble_fraction=bubble,
     )
