@@ -242,13 +242,13 @@ class ThreeD(DistributedStrategy):
     def _expert_overlap(self, policy: ActivationCheckpointing) -> Optional[ExpertOverlap]:
         """DualPipeV's expert overlap, when `strategy.expert_overlap=true` (config validation refused a layout
         where it cannot run; checked again here for a strategy built without it)."""
-        options = self.pipeline_options
-        if not options.expert_overlap:
+        if not self.pipeline_options.expert_overlap:
             return None
-        refusal = overlap_refusal(schedule=options.schedule, ep=self.dims.ep, tp=self.dims.tp, cp=self.dims.cp,
-                                  checkpointing=policy.name)
-        if refusal is not None:
-            raise ValueError(f"strategy.expert_overlap=true cannot run: {refusal}")
+        dims = self.dims
+        try:
+            self.check_expert_overlap(pp=dims.pp, ep=dims.ep, tp=dims.tp, cp=dims.cp, checkpointing=policy.name)
+        except ValueError as refused:
+            raise ValueError(f"strategy.expert_overlap={refused}") from None
         if self.is_global_zero:
             log.info("dualpipev: each overlapped forward + backward pair runs on two threads that take turns at the "
                      "expert all-to-alls")
