@@ -28,8 +28,8 @@ predicted (what trainer/planner/trials.py does in a run, here from the same meas
 its measured step time over the fastest measured layout's (target: within 10%). The last line is one JSON
 object.
 
-    python benchmarks/strategy_auto.py [--only tiny,budget,moe,long] [--steps 3] [--warmup 1] [--trials 3]
-        [--max-layouts 16] [--per-launch 8]
+    python benchmarks/strategy_auto.py [--only tiny,budget,moe,long] [--steps 6] [--warmup 1] [--trials 3]
+        [--max-layouts 0] [--per-launch 8]     # defaults: every feasible layout, 6 timed steps (48 min here)
 """
 
 from __future__ import annotations
@@ -200,10 +200,10 @@ def report(configs: list[dict[str, Any]], trials: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated names of " + ", ".join(CONFIGS))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--max-layouts", type=int, default=16,
+    parser.add_argument("--max-layouts", type=int, default=0,
                         help="parallel layouts measured per configuration, best predicted first (0: all)")
     parser.add_argument("--per-launch", type=int, default=8,
                         help="candidates per torchrun launch, each beside the auto pick (0: all in one launch)")
