@@ -128,8 +128,11 @@ def test_v_schedules_memory_and_bubble_from_torchs_order(pp: int) -> None:
     """ZBV and DualPipeV played out on torch's own order of operations (trainer/planner/pipeline_sim.py) at
     equal forward, input- and weight-gradient times: once the pipeline is full (M >= 2P) ZB-V holds 1F1B's
     P micro-batches on every rank (Qi et al. 2024, section 6) and DualPipeV 2P + 1 chunks = P + 1/2
-    micro-batches (DeepSeek-V3 report, table 2); both have no steady-state bubble (the papers' closed forms
-    vanish at equal times), so the idle time is the warm-up's and the cool-down's whatever M."""
+    micro-batches (DeepSeek-V3 report, table 2). ZB-V has no steady-state bubble (its closed form vanishes at
+    equal times), so its idle time is the warm-up's and the cool-down's whatever M; DualPipeV's is the
+    report's (P - 1)(F&B + B - 3W) = 2 (P - 1) forward units whatever M, F&B being a pair's forward and full
+    backward run back to back (3 units: the pair hides communication, not compute) and both of its outputs
+    leaving the rank at the pair's end, as torch sends them."""
     base = Layout(world_size=pp, dp_replicate=1, dp_shard=1, tp=1, pp=pp, strategy="pp", dp_flavour="none",
                   micro_batch_size=1, global_batch_size=8 * pp, virtual_stages=2)
     zbv, dualpipev = base.replace(schedule="zbv"), base.replace(schedule="dualpipev")
@@ -141,6 +144,8 @@ def test_v_schedules_memory_and_bubble_from_torchs_order(pp: int) -> None:
             bubble = bubble_fraction(layout.replace(global_batch_size=m))
             idle_units.append(6 * m * bubble / (1 - bubble))
         assert idle_units == pytest.approx([idle_units[0]] * 3), layout.schedule
+        if layout.schedule == "dualpipev":
+            assert idle_units[0] == pytest.approx((pp - 1) * (3 + 2 - 3 * 1))
         assert bubble_fraction(layout) < bubble_fraction(base.replace(schedule="1f1b", virtual_stages=1))
     # the V placement: rank 0 holds the first and the last stage, rank r stages r and 2P - 1 - r
     inv = inventory(model_config(compose(["model=tiny", f"model.n_layers={4 * pp}"])))

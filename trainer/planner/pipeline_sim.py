@@ -15,9 +15,13 @@ starting when its rank is free and its inputs exist:
 
 - F(s, i) (forward of micro-batch i on stage s) after F(s - 1, i);
 - I(s, i) (input gradient) and B(s, i) (full backward: input and weight gradients) after I/B(s + 1, i)
-  and F(s, i); W(s, i) (weight gradient) after I(s, i); DualPipeV's overlapped pair F + B runs as its
+  and F(s, i); W(s, i) (weight gradient) after I(s, i). DualPipeV's overlapped pair F + B runs as its
   two operations one after the other (the compute of both runs on the rank either way; the expert
-  overlap, plugins/strategies/pipeline_overlap.py, hides communication, which this model leaves out);
+  overlap, plugins/strategies/pipeline_overlap.py, hides communication, which this model leaves out), and
+  both of its outputs leave the rank at the pair's end: torch's lowering (`_add_send_recv`) puts the pair's
+  sends after it. With that, DualPipeV's idle per rank at equal thirds is the report's (P - 1)(F&B + B - 3W)
+  = 2 (P - 1) units at every M >= 2P (F&B = 3 units, the pair's compute back to back); counting the pair's
+  forward as sent at its own end gave half of it, and the measured idle twice the planner's;
 - every chunk is half of a rank's layers; F, I and W each cost one unit (the equal-thirds assumption of
   both papers), B two; communication is free.
 
@@ -38,24 +42,19 @@ V_SCHEDULE_CLASSES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDual
 COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
 
 
-def _torch_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[tuple[str, int, int]]]:
-    """Each rank's compute operations as (kind, stage, micro-batch), in the order torch runs them."""
+def _torch_order(schedule: str, pp: int, microbatches: int) -> dict[int, list[tuple[tuple[str, int, int], ...]]]:
+    """Each rank's actions in the order torch runs them, each a tuple of its compute operations as (kind,
+    stage, micro-batch): one operation, or DualPipeV's overlapped pair (its forward, then its backward)."""
     from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, V_SCHEDULE_CLASSES[schedule])
     # the method reads only these attributes of the schedule (torch 2.13), not its stages
     state = SimpleNamespace(pp_group_size=pp, _n_microbatches=microbatches, num_stages=2 * pp)
-    kinds = {"F": "F", "I": "I", "W": "W", "B": "B"}
-    order: dict[int, list[tuple[str, int, int]]] = {}
+    order: dict[int, list[tuple[tuple[str, int, int], ...]]] = {}
     for rank in range(pp):
-        ops: list[tuple[str, int, int]] = []
-        for action in cls._calculate_single_rank_operations(state, rank):
-            if action is None:
-                continue
-            for sub in action.sub_actions or (action,):
-                kind = kinds[sub.computation_type.value]
-                ops.append((kind, sub.stage_index, sub.microbatch_index))
-        order[rank] = ops
+        order[rank] = [tuple((sub.computation_type.value, sub.stage_index, sub.microbatch_index)
+                             for sub in action.sub_actions or (action,))
+                       for action in cls._calculate_single_rank_operations(state, rank) if action is not None]
     return order
 
 
@@ -94,7 +93,8 @@ def play_v_schedule(schedule: str, pp: int, microbatches: int, unit: float = 1.0
     e.g. measured, where the equal-thirds assumption and equal stages do not hold)."""
     order = _torch_order(schedule, pp, microbatches)
     last = 2 * pp - 1
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[str, int, int], float] = {}  # an output's end on its own rank
+    sent: dict[tuple[str, int, int], float] = {}  # when it leaves for another rank: its action's end
     clock = [0.0] * pp
     position = [0] * pp
     held = [0] * pp
@@ -113,37 +113,49 @@ def play_v_schedule(schedule: str, pp: int, microbatches: int, unit: float = 1.0
             needs.append(("grad", stage, mb))
         start = 0.0
         for need in needs:
-            end = done.get(need)
-            if end is None:
-                return None
             # a neighbour's activation or gradient crosses to this rank; a stage's own F or grad does not
             crosses = need[1] != stage and v_stage_rank(need[1], pp) != rank
+            end = (sent if crosses else done).get(need)
+            if end is None:
+                return None
             start = max(start, end + (message if crosses else 0.0))
         return start
 
-    remaining = sum(len(ops) for ops in order.values())
+    def run(rank: int, operation: tuple[str, int, int], start: float) -> float:
+        kind, stage, mb = operation
+        compute = stage_costs[stage][KINDS.index(kind)] if stage_costs else COST[kind] * unit
+        end = max(clock[rank], start) + overhead + compute
+        clock[rank], busy[rank] = end, busy[rank] + compute
+        done[operation] = end
+        if kind in ("I", "B"):
+            done[("grad", stage, mb)] = end
+        held[rank] += 1 if kind == "F" else -1 if kind in ("W", "B") else 0
+        peak[rank] = max(peak[rank], held[rank])
+        return end
+
+    remaining = sum(len(actions) for actions in order.values())
     while remaining:
         progressed = False
         for rank in range(pp):
             while position[rank] < len(order[rank]):
-                kind, stage, mb = order[rank][position[rank]]
-                start = ready(rank, kind, stage, mb)
-                if start is None:
+                action = order[rank][position[rank]]
+                # each operation of a pair waits for its own input only, but torch sends both outputs after
+                # the pair (_add_send_recv puts the pair's sends after it)
+                starts = [ready(rank, *operation) for operation in action]
+                if any(start is None for start in starts):
                     break
-                compute = stage_costs[stage][KINDS.index(kind)] if stage_costs else COST[kind] * unit
-                end = max(clock[rank], start) + overhead + compute
-                clock[rank], busy[rank] = end, busy[rank] + compute
-                done[(kind, stage, mb)] = end
-                if kind in ("I", "B"):
-                    done[("grad", stage, mb)] = end
-                held[rank] += 1 if kind == "F" else -1 if kind in ("W", "B") else 0
-                peak[rank] = max(peak[rank], held[rank])
+                for operation, start in zip(action, starts, strict=True):
+                    end = run(rank, operation, start)
+                for kind, stage, mb in action:
+                    sent[(kind, stage, mb)] = end
+                    if kind in ("I", "B"):
+                        sent[("grad", stage, mb)] = end
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"{schedule} with pp={pp}, M={microbatches}: the operations wait on each other")
-    return Played(makespan=max(clock), busy=tuple(busy), actions=tuple(len(order[r]) for r in range(pp)),
+    return Played(makespan=max(clock), busy=tuple(busy), actions=tuple(sum(map(len, order[r])) for r in range(pp)),
                   in_flight=tuple(p / 2 for p in peak))
 
 
