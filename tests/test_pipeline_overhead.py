@@ -17,7 +17,8 @@ from trainer.planner.memory import RankCoords
 from trainer.planner.params import inventory
 from trainer.planner.pipeline_overhead import overhead_from_probe
 from trainer.planner.pipeline_sim import play_v_schedule, simulate_v_schedule
-from trainer.planner.timing import estimate_time, pipeline_actions, pipeline_time, schedule_bubble
+from trainer.planner.timing import (estimate_time, pipeline_actions, pipeline_time, schedule_bubble,
+                                    stage_compute_shares, stage_pass_fractions)
 
 
 @pytest.mark.parametrize("pp", [2, 3])
@@ -115,7 +116,10 @@ def test_estimate_time_adds_the_overhead_on_the_critical_path(schedule: str, vir
     loaded = replace(quiet, pipeline_action_overhead_us=500.0)
     before = estimate_time(inv, layout, coords, quiet, step_collectives(inv, layout, coords, quiet), 0.5)
     after = estimate_time(inv, layout, coords, loaded, step_collectives(inv, layout, coords, loaded), 0.5)
-    expected = pipeline_time(schedule, 2, 8, virtual, after.compute_s, 5e-4)
+    shares = stage_compute_shares(inv, layout)  # rank 0's compute is its stages' shares of the pipeline's
+    even = after.compute_s / (2 * sum(shares[s] for s in layout.stages_of_rank(0)))
+    expected = pipeline_time(schedule, 2, 8, virtual, even, 5e-4, shares, 0)
+    assert expected.compute_s == pytest.approx(after.compute_s)
     assert before.pipeline_overhead_s == 0.0 and after.bubble_s == pytest.approx(before.bubble_s)
     assert after.pipeline_overhead_s == pytest.approx(expected.overhead_s)
     assert after.pipeline_overhead_s >= 16 * 5e-4  # at least the busiest rank's 16+ actions
@@ -152,3 +156,92 @@ def test_stage_costs_replace_the_equal_thirds() -> None:
     played = play_v_schedule("zbv", 2, 4, stage_costs=slow)
     assert played.makespan > play_v_schedule("zbv", 2, 4, unit=2.0).makespan
     assert played.busy == (4 * (12.0 + 6.0), 4 * 12.0)  # rank 0 holds stages 0 and 3
+
+
+def _pp_layout(model: list[str], pp: int, schedule: str = "1f1b", virtual: int = 1) -> tuple:
+    inv = inventory(model_config(compose(model)))
+    layout = Layout(world_size=pp, dp_replicate=1, dp_shard=1, tp=1, pp=pp, strategy="pp", dp_flavour="none",
+                    micro_batch_size=1, global_batch_size=8, seq_len=64, schedule=schedule, virtual_stages=virtual,
+                    embedding_weight=0.0, head_weight=0.0)
+    return inv, layout
+
+
+def test_stage_shares_are_each_stages_blocks_and_the_head_on_the_last() -> None:
+    # 8 equal blocks over 4 stages (no balancing weights: two a stage); the head's FLOPs (all of the model's
+    # beyond its blocks) on the last stage
+    inv, layout = _pp_layout(["model=tiny", "model.n_layers=8"], 4)
+    block, total = inv.layer_flops_per_token(64)[0], inv.flops_per_token(64)
+    assert inv.layer_flops_per_token(64) == [block] * 8
+    head = total - 8 * block
+    assert head == 6 * inv.vocab_size * inv.dim  # the untied output head's matmul
+    shares = stage_compute_shares(inv, layout)
+    assert shares == pytest.approx((2 * block / total,) * 3 + ((2 * block + head) / total,))
+    # DeepSeek-V3's dense first block is wider than its MoE blocks' active part; the MTP module is the last
+    # stage's too
+    inv, layout = _pp_layout(["model=deepseek_v3_tiny"], 3)
+    layers = inv.layer_flops_per_token(64)
+    assert layers[0] > layers[1] == layers[2] and inv.mtp_blocks == 1
+    total = inv.flops_per_token(64)
+    assert stage_compute_shares(inv, layout) == pytest.approx(
+        (layers[0] / total, layers[1] / total, (total - layers[0] - layers[1]) / total))
+
+
+def test_the_slowest_stage_sets_a_1f1b_step() -> None:
+    # P = 2, M = 4, 1 s per rank when even: stages of 0.8 s and 1.2 s (0.2 and 0.3 s a micro-batch); the
+    # critical path runs both once and the slower one three times more: 0.5 + 3 x 0.3 = 1.4 s for both ranks
+    for rank, compute in ((0, 0.8), (1, 1.2)):
+        pipe = pipeline_time("1f1b", 2, 4, 1, 1.0, 0.0, (0.4, 0.6), rank)
+        assert (pipe.compute_s, pipe.step_s) == (pytest.approx(compute), pytest.approx(1.4))
+    # the overhead lengthens each of the M + P - 1 slots by a forward's and a backward's: 5 x 2 x 10 ms
+    assert pipeline_time("1f1b", 2, 4, 1, 1.0, 0.01, (0.4, 0.6), 1).step_s == pytest.approx(1.5)
+    # even stages are the closed form's (M + P - 1) / M
+    assert pipeline_time("1f1b", 2, 4, 1, 1.0, 0.0, (0.5, 0.5), 0).step_s == pytest.approx(5 / 4)
+    with pytest.raises(ValueError, match="3 stage shares for 2 stages"):
+        pipeline_time("1f1b", 2, 4, 1, 1.0, 0.0, (0.2, 0.3, 0.5))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_play_each_stages_share(schedule: str) -> None:
+    # 1 s a rank when even over P = 2, M = 8; stage 3 (rank 0's second, the head) heavier: each stage's
+    # forward, input- and weight-gradient passes a third of its compute per micro-batch, played out
+    shares = (0.24, 0.24, 0.24, 0.28)
+    costs = tuple((2 * s / 8 / 3, 2 * s / 8 / 3, 2 * s / 8 / 3, 4 * s / 8 / 3) for s in shares)
+    played = play_v_schedule(schedule, 2, 8, stage_costs=costs)
+    first, second = (pipeline_time(schedule, 2, 8, 2, 1.0, 0.0, shares, r) for r in (0, 1))
+    assert first.step_s == pytest.approx(played.makespan) and second.step_s == pytest.approx(played.makespan)
+    assert (first.compute_s, second.compute_s) == (pytest.approx(1.04), pytest.approx(0.96))
+    # the lighter rank waits for the heavier one, and the step is longer than at even stages
+    assert second.idle_fraction > first.idle_fraction
+    assert first.step_s > pipeline_time(schedule, 2, 8, 2, 1.0, 0.0).step_s
+
+
+def test_estimate_time_gives_the_last_stage_the_head() -> None:
+    inv, layout = _pp_layout(["model=tiny", "model.n_layers=4", "model.vocab_size=4096"], 2)
+    hardware = HardwareConfig(pipeline_action_overhead_us=0.0)
+    first, last = (estimate_time(inv, layout, RankCoords(pp=r), hardware, [], 0.5) for r in (0, 1))
+    shares = stage_compute_shares(inv, layout)
+    assert shares[1] > shares[0]
+    assert last.compute_s / first.compute_s == pytest.approx(shares[1] / shares[0])
+    # one pipeline: both ranks' step is the same, the lighter rank idles the difference
+    assert first.compute_s + first.bubble_s == pytest.approx(last.compute_s + last.bubble_s)
+    assert first.bubble_s - last.bubble_s == pytest.approx(last.compute_s - first.compute_s)
+
+
+def test_the_attention_backward_is_the_input_gradient_pass() -> None:
+    # per token and block: a matmul weight's forward, input gradient and weight gradient cost 2 FLOPs each;
+    # the attention core (no weights) a forward A and a backward 2 A, all in the input-gradient pass
+    inv, layout = _pp_layout(["model=tiny", "model.n_layers=8"], 2, "zbv", 2)
+    m, a = inv.layer_matmul_params(), inv.attention_core_forward_flops_per_token(64)
+    block = 6 * m + 3 * a
+    assert inv.layer_flops_per_token(64)[0] == block
+    fractions = stage_pass_fractions(inv, layout)
+    for stage in range(3):  # two blocks each
+        assert fractions[stage] == pytest.approx(((2 * m + a) / block, (2 * m + 2 * a) / block, 2 * m / block))
+    head = 6 * inv.vocab_size * inv.dim  # the last stage's head: matmuls, a third in each pass
+    last = 2 * block + head
+    assert fractions[3] == pytest.approx(((2 * (2 * m + a) + head / 3) / last, (2 * (2 * m + 2 * a) + head / 3) / last,
+                                          (2 * 2 * m + head / 3) / last))
+    # zbv plays them: a heavier input-gradient pass than the equal thirds lengthens the step
+    shares = stage_compute_shares(inv, layout)
+    assert pipeline_time("zbv", 2, 8, 2, 1.0, 0.0, shares, 0, fractions).step_s > pipeline_time(
+        "zbv", 2, 8, 2, 1.0, 0.0, shares, 0).step_s

@@ -164,6 +164,12 @@ class ModelInventory:
         blocks = self.n_layers + self.mtp_blocks
         return 6 * self.num_matmul_params() + 6 * blocks * seq_len * self.n_heads * (self.head_dim + self.value_dim)
 
+    def layer_flops_per_token(self, seq_len: int) -> list[int]:
+        """Training FLOPs per token of each transformer block in order (`flops_per_token`'s convention; each
+        block of `layer_groups` at its own width): what the pipeline's stages split between them."""
+        attention = 6 * seq_len * self.n_heads * (self.head_dim + self.value_dim)
+        return [6 * self._matmul(specs) + attention for n, specs in self.blocks() for _ in range(n)]
+
     def block_forward_flops_per_token(self, seq_len: int) -> int:
         """Forward FLOPs of one transformer block per token (what a full recompute runs again)."""
         return 2 * self.layer_matmul_params() + self.attention_core_forward_flops_per_token(seq_len)

@@ -10,7 +10,8 @@ sequences. MFU counts these model FLOPs only; recomputation is extra hardware wo
 (full: one more forward of the checkpointed blocks, Narayanan's 96 instead of 72; attention: the attention
 core's forward again).
 
-Step time = per-rank compute / (peak x `plan.matmul_efficiency`), stretched by the pipeline bubble and the
+Step time = per-rank compute / (peak x `plan.matmul_efficiency`) (under a pipeline each stage's share of the
+FLOPs, the head on the last one: `stage_compute_shares`), stretched by the pipeline bubble and the
 pipeline runtime's per-action overhead, plus the communication that cannot hide behind compute, plus the
 optimizer step (memory-bound) and offload traffic. Compute counts hardware FLOPs: the weights' matmuls (model FLOPs plus recomputation) at
 `plan.matmul_efficiency`, and the attention core apart, at `plan.attention_efficiency`, less the half of
@@ -43,7 +44,7 @@ from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import V_SCHEDULES, Layout
 from trainer.planner.memory import RankCoords, rank_numel
 from trainer.planner.params import ModelInventory
-from trainer.planner.pipeline_sim import play_v_schedule, v_schedule_bubble
+from trainer.planner.pipeline_sim import play_v_schedule, v_schedule_bubble, v_stage_rank
 
 
 def causal_block_skipping(inv: ModelInventory, layout: Layout, device_type: str) -> bool:
@@ -148,13 +149,54 @@ def pipeline_actions(schedule: str, pp: int, microbatches: int, virtual_stages: 
     return (3 if schedule == "zero_bubble" else 2) * virtual_stages * microbatches
 
 
+def stage_compute_shares(inv: ModelInventory, layout: Layout) -> tuple[float, ...]:
+    """Each pipeline stage's share of the model FLOPs, stages in order (pp x virtual_stages of them, as the
+    pipeline strategy's balancing places the layers, `stage_layers`): its blocks' matmuls and attention cores
+    (each block of a `layer_groups` model at its own width), and on the last stage the output head and
+    DeepSeek-V3's MTP modules; the embedding is a lookup. A step's recomputation (blocks only) is not in the
+    shares. `(1.0,)` without pipelining."""
+    from trainer.planner.memory import stage_layers
+
+    counts = stage_layers(inv, layout)
+    if len(counts) == 1:
+        return (1.0,)
+    per_layer = inv.layer_flops_per_token(layout.seq_len)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    flops = [float(sum(per_layer[start:start + count])) for start, count in zip(starts, counts, strict=True)]
+    flops[-1] += inv.flops_per_token(layout.seq_len) - sum(per_layer)  # the head (and MTP) on the last stage
+    total = sum(flops)
+    return tuple(f / total for f in flops)
+
+
+def stage_pass_fractions(inv: ModelInventory, layout: Layout) -> tuple[tuple[float, float, float], ...]:
+    """Per pipeline stage, the fractions of its compute in the forward, the input-gradient and the
+    weight-gradient pass (what zbv and dualpipev schedule apart), by FLOPs: a matmul costs the same in each
+    (its forward, its input's gradient, its weight's gradient), the attention core has no weights, so its
+    backward (twice its forward) is all in the input-gradient pass. The output head is matmuls only."""
+    from trainer.planner.memory import stage_layers
+
+    counts = stage_layers(inv, layout)
+    shares = stage_compute_shares(inv, layout)
+    total = inv.flops_per_token(layout.seq_len)
+    core = 3 * inv.attention_core_forward_flops_per_token(layout.seq_len)  # forward and backward, per block
+    fractions = []
+    for share, count in zip(shares, counts, strict=True):
+        flops = share * total
+        attention = count * core
+        matmul = flops - attention
+        fractions.append(((matmul + attention) / 3 / flops, (matmul + 2 * attention) / 3 / flops,
+                          matmul / 3 / flops))
+    return tuple(fractions)
+
+
 @dataclass(frozen=True)
 class PipelineTime:
     """The pipeline's part of one rank's step: its compute, the bubble, and the runtime's per-action overhead
-    on the critical path, in seconds (their sum is the step before communication and the optimizer)."""
+    on the critical path, in seconds (their sum is the step before communication and the optimizer, the same
+    for every rank of the pipeline; the compute, and so the idle time, is the rank's own)."""
 
     compute_s: float
-    bubble_s: float  # the bubble alone, at free communication and bookkeeping
+    bubble_s: float  # the rest of the step at free communication and bookkeeping
     overhead_s: float  # what the per-action overhead adds: its own time and the bubble slots it lengthens
     actions: int  # compute actions of the busiest rank per step
 
@@ -169,28 +211,52 @@ class PipelineTime:
 
 
 def pipeline_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, compute_s: float,
-                  action_overhead_s: float) -> PipelineTime:
-    """Bubble and per-action overhead of a pipeline step whose ranks each compute `compute_s`, every compute
-    action costing `action_overhead_s` more (`HardwareConfig.pipeline_action_overhead_us`).
+                  action_overhead_s: float, stage_shares: tuple[float, ...] | None = None,
+                  pp_rank: int = 0,
+                  pass_fractions: tuple[tuple[float, float, float], ...] | None = None) -> PipelineTime:
+    """Bubble and per-action overhead of a pipeline step whose ranks compute `compute_s` each when the work
+    is spread evenly, every compute action costing `action_overhead_s` more
+    (`HardwareConfig.pipeline_action_overhead_us`), for rank `pp_rank`. `stage_shares` (each stage's share
+    of the compute, `stage_compute_shares`; even without) sets each stage's compute: stage s computes
+    `compute_s` x pp x its share, a rank the sum over its stages.
 
-    zbv and dualpipev: torch's order of operations played out with each operation's cost plus the overhead
-    (pipeline_sim.py), a cost unit being `compute_s` over the rank's units. The closed forms: gpipe's and
-    1F1B's critical path is M + P - 1 slots of one micro-batch's forward and backward (Narayanan et al.
-    2021), interleaved 1F1B's v M + P - 1 slots of one chunk's; each slot holds one forward and one
-    backward action, so the overhead lengthens every slot by 2 x overhead, busy or bubble alike: step =
-    (compute + actions x overhead) / (1 - bubble). zero_bubble is counted the same way, its three actions a
-    slot (an estimate, as its bubble is)."""
+    zbv and dualpipev: torch's order of operations played out with each stage's forward, input- and
+    weight-gradient passes at their `pass_fractions` of its compute per micro-batch (`stage_pass_fractions`;
+    a third each without), with and without the overhead (pipeline_sim.py). gpipe and 1F1B (Narayanan et al. 2021): the critical path runs every stage once and the
+    slowest one M - 1 times more, t_1 + ... + t_P + (M - 1) max t (M + P - 1 slots of t at even stages), each
+    stage's time per micro-batch t holding a forward and a backward action, so 2 x overhead more. Interleaved
+    1F1B and zero_bubble: the closed-form bubble at the busiest rank's compute, every action lengthening
+    its slot: step = (busiest compute + actions x overhead) / (1 - bubble) (zero_bubble three actions a
+    slot, an estimate, as its bubble is)."""
+    if pp == 1:
+        return PipelineTime(compute_s, 0.0, 0.0, 0)
     bubble = schedule_bubble(schedule, pp, microbatches, virtual_stages)
-    bubble_s = compute_s * bubble / (1 - bubble) if bubble < 1 else 0.0
     actions = pipeline_actions(schedule, pp, microbatches, virtual_stages)
-    if actions == 0 or action_overhead_s <= 0:
-        return PipelineTime(compute_s, bubble_s, 0.0, actions)
+    stages = pp * (2 if schedule in V_SCHEDULES else virtual_stages)
+    shares = stage_shares or (1.0 / stages,) * stages
+    if len(shares) != stages:
+        raise ValueError(f"{len(shares)} stage shares for {stages} stages of {schedule} over pp={pp}")
+    per_stage = [compute_s * pp * share for share in shares]
+    overhead = max(0.0, action_overhead_s)
     if schedule in V_SCHEDULES:
-        pure = play_v_schedule(schedule, pp, microbatches)
-        unit = compute_s / max(pure.busy)  # seconds per cost unit (COST: a chunk's forward is one)
-        step = play_v_schedule(schedule, pp, microbatches, unit, action_overhead_s).makespan
-        return PipelineTime(compute_s, bubble_s, max(0.0, step - compute_s - bubble_s), actions)
-    return PipelineTime(compute_s, bubble_s, actions * action_overhead_s / (1 - bubble), actions)
+        owner = [v_stage_rank(stage, pp) for stage in range(stages)]
+        thirds = pass_fractions or ((1 / 3, 1 / 3, 1 / 3),) * stages
+        costs = tuple((c * f / microbatches, c * i / microbatches, c * w / microbatches, c * (i + w) / microbatches)
+                      for c, (f, i, w) in zip(per_stage, thirds, strict=True))
+        pure = play_v_schedule(schedule, pp, microbatches, stage_costs=costs).makespan
+        loaded = play_v_schedule(schedule, pp, microbatches, overhead=overhead, stage_costs=costs).makespan
+    else:
+        owner = [stage % pp for stage in range(stages)]
+        ranks = [sum(c for c, r in zip(per_stage, owner, strict=True) if r == rank) for rank in range(pp)]
+        if schedule in ("gpipe", "1f1b"):
+            slot = [c / microbatches for c in per_stage]
+            pure = sum(slot) + (microbatches - 1) * max(slot)
+            loaded = pure + 2 * overhead * (microbatches + pp - 1)
+        else:
+            pure = max(ranks) / (1 - bubble)
+            loaded = (max(ranks) + actions * overhead) / (1 - bubble)
+    mine = sum(c for c, r in zip(per_stage, owner, strict=True) if r == pp_rank)
+    return PipelineTime(mine, max(0.0, pure - mine), loaded - pure, actions)
 
 
 @dataclass
@@ -240,12 +306,16 @@ def estimate_time(inv: ModelInventory, layout: Layout, coords: RankCoords, hardw
     attention_flops = (3 * (inv.n_layers + inv.mtp_blocks) + recomputed_cores) * core_forward * tokens
     attention_hw = attention_flops * (0.5 if causal_block_skipping(inv, layout, hardware.device_type) else 1.0)
     peak = hardware.peak_flops(layout.compute_dtype)
-    compute = ((model_flops + recompute_flops - attention_flops) / (peak * matmul_efficiency)
-               + attention_hw / (peak * (attention_efficiency or matmul_efficiency))) / layout.world_size
+    even = ((model_flops + recompute_flops - attention_flops) / (peak * matmul_efficiency)
+            + attention_hw / (peak * (attention_efficiency or matmul_efficiency))) / layout.world_size
     bubble = bubble_fraction(layout)
     m = layout.num_microbatches
-    pipe = pipeline_time(layout.schedule, layout.pp, m, layout.virtual_stages, compute,
-                         hardware.pipeline_action_overhead_us * 1e-6)
+    # a pipeline's stages compute unequal shares (the head on the last one); the step waits for the slowest
+    shares = stage_compute_shares(inv, layout) if layout.pp > 1 else None
+    passes = stage_pass_fractions(inv, layout) if layout.pp > 1 and layout.schedule in V_SCHEDULES else None
+    pipe = pipeline_time(layout.schedule, layout.pp, m, layout.virtual_stages, even,
+                         hardware.pipeline_action_overhead_us * 1e-6, shares, coords.pp, passes)
+    compute = pipe.compute_s  # this rank's
     per_microbatch = compute / m
     # on the critical path: tensor- and pipeline-parallel traffic, ZeRO-1's gather after the step
     zero1_gather = [c for c in collectives if c.op == "all-gather" and layout.dp_flavour in ("zero1", "zero2")]
