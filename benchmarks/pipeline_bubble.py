@@ -16,7 +16,10 @@ blocks are split evenly over the stages (`embedding_weight = head_weight = 0`), 
 
 Idle therefore includes everything that is not this stage's compute: waiting for activations or
 gradients from a neighbour (the bubble), the point-to-point copies themselves, and the schedule's
-Python bookkeeping. Steps are timed after `--warmup` steps (the first step also runs torch's shape
+Python bookkeeping. Beside it each stage reports how long its main thread was runnable but waited for a
+core during the step (Linux's schedstat): with P processes and their gloo transfer threads on P cores,
+that wait slows a stage's compute and bookkeeping and makes its neighbours idle longer, a property of the
+machine that no schedule model counts. Steps are timed after `--warmup` steps (the first step also runs torch's shape
 inference) and the median over `--steps` steps is reported. torch's 1F1B needs M >= P: smaller M are
 skipped for it.
 
@@ -46,9 +49,13 @@ gradient a rank sends, `messages_sent`, at the measured time of one). Its inputs
 launch, before the schedules run, and none is fitted to the points: the overhead per action by the
 planner's own calibration probe (trainer/planner/pipeline_overhead.py: a near-zero-compute ZBV pipeline
 over the pp ranks, the message latency solved out), one message's time at the activation's size by the
-calibration's point-to-point exchange (trainer.commcheck.time_collective), and the compute per rank is
-each point's measured busy time (its mean over the ranks), which the planner would otherwise predict from
-FLOPs. "bubble+overhead" is the prediction without the messages. For zbv and dualpipev a last figure,
+calibration's point-to-point exchange (the median of several timings, `message_seconds`), and the compute is each
+point's measured busy time (its mean over the ranks, which the planner would otherwise predict from FLOPs),
+spread over the stages by the planner's shares of the FLOPs (`stage_compute_shares`: the blocks evenly here,
+the output head and loss on the last stage, so the rank holding it is the slowest and the others wait for
+it) and, for zbv and dualpipev, over each stage's forward, input- and weight-gradient passes
+(`stage_pass_fractions`: the attention core's backward all in the input-gradient pass). The figure is the
+mean over the ranks. "bubble+overhead" is the prediction without the messages. For zbv and dualpipev a last figure,
 "measured costs", plays torch's order out with each stage's measured compute per forward, input-, weight-
 gradient and full backward (mean seconds per action of the timed steps), the overhead and one message per
 hand-over between ranks: what is left between it and the measurement is neither the equal-thirds
@@ -96,10 +103,11 @@ from trainer.plugins.activation_checkpointing import NoCheckpointing  # noqa: E4
 from trainer.plugins.strategies.pipeline import PipelineParallel  # noqa: E402
 from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
-from trainer.commcheck import time_collective  # noqa: E402
-from trainer.planner.pipeline_overhead import measure_pipeline_overhead  # noqa: E402
+from trainer.planner.pipeline_overhead import measure_pipeline_overhead, message_seconds  # noqa: E402
 from trainer.planner.pipeline_sim import KINDS, play_v_schedule, v_schedule_bubble  # noqa: E402
-from trainer.planner.timing import pipeline_time  # noqa: E402
+from trainer.planner.layout import Layout  # noqa: E402
+from trainer.planner.params import ModelInventory, inventory  # noqa: E402
+from trainer.planner.timing import pipeline_time, stage_compute_shares, stage_pass_fractions  # noqa: E402
 
 V_SCHEDULES = ("zbv", "dualpipev")
 
@@ -129,9 +137,6 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int) -> float:
     return ratio / (1 + ratio)
 
 
-MESSAGE_ITERS = 10
-
-
 def messages_sent(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
     """Activations and gradients `pp_rank` sends to another rank per step (as trainer/planner/communication.py
     counts the pipeline's point-to-point messages): one per micro-batch across each boundary of its stages
@@ -149,15 +154,30 @@ def messages_sent(schedule: str, pp: int, pp_rank: int, microbatches: int) -> in
 
 
 def planner_idle(schedule: str, pp: int, microbatches: int, busy_s: list[float], overhead_s: float,
-                 message_s: float) -> dict[str, float]:
-    """The planner's idle fraction of a point: bubble and per-action overhead on the critical path
-    (`pipeline_time` at the ranks' mean compute), then also each rank's sent messages, exposed."""
-    compute = statistics.mean(busy_s)
-    pipe = pipeline_time(schedule, pp, microbatches, VIRTUAL[schedule], compute, overhead_s)
+                 message_s: float, layout: Layout, inv: ModelInventory) -> dict[str, Any]:
+    """The planner's idle fraction of a point, mean over the ranks: bubble and per-action overhead on the
+    critical path (`pipeline_time` with the ranks' measured compute spread over the stages and their passes
+    as the planner splits the FLOPs: `stage_compute_shares`, the head on the last stage, and
+    `stage_pass_fractions`), then also each rank's sent messages, exposed."""
+    even = statistics.mean(busy_s)
+    shares = stage_compute_shares(inv, layout)
+    passes = stage_pass_fractions(inv, layout) if schedule in V_SCHEDULES else None
+    pipes = [pipeline_time(schedule, pp, microbatches, VIRTUAL[schedule], even, overhead_s, shares, r, passes)
+             for r in range(pp)]
     messages = statistics.mean(messages_sent(schedule, pp, r, microbatches) for r in range(pp)) * message_s
-    return {"bubble_overhead_idle_fraction": pipe.idle_fraction,
-            "planner_idle_fraction": 1 - compute / (pipe.step_s + messages),
-            "overhead_s": pipe.overhead_s, "messages_s": messages, "actions_per_rank": pipe.actions}
+    return {"bubble_overhead_idle_fraction": statistics.mean(p.idle_fraction for p in pipes),
+            "planner_idle_fraction": statistics.mean(1 - p.compute_s / (p.step_s + messages) for p in pipes),
+            "planner_compute_s_per_stage": [p.compute_s for p in pipes],
+            "overhead_s": pipes[0].overhead_s, "messages_s": messages, "actions_per_rank": pipes[0].actions}
+
+
+def planner_layout(schedule: str, pp: int, microbatches: int, micro_batch_size: int, seq_len: int) -> Layout:
+    """The planner's layout of a point: the blocks split evenly (the strategy places them so here, without
+    balancing weights), one micro-batch of `micro_batch_size` sequences per pipeline micro-batch."""
+    return Layout(world_size=pp, dp_replicate=1, dp_shard=1, tp=1, pp=pp, strategy="pp", dp_flavour="none",
+                  micro_batch_size=micro_batch_size, global_batch_size=microbatches * micro_batch_size,
+                  seq_len=seq_len, schedule=schedule, virtual_stages=VIRTUAL[schedule], embedding_weight=0.0,
+                  head_weight=0.0)
 
 
 class BusyClock:
@@ -236,13 +256,23 @@ def instrument(strategy: PipelineParallel, clock: BusyClock) -> None:
             stage._bubble_timed = True  # type: ignore[attr-defined]
 
 
+def core_wait_s() -> float | None:
+    """Seconds this thread has spent runnable but waiting for a core (Linux's /proc/thread-self/schedstat,
+    its second field), None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
             microbatches: list[tuple[torch.Tensor, torch.Tensor]], clock: BusyClock, steps: int,
             warmup: int) -> dict[str, Any]:
     """Median step time, busy time and idle fraction of this rank over `steps` timed steps (the
     timers are installed during the first, untimed, step), and the mean seconds per call of each of its
     stages' operation kinds over those steps."""
-    step_times, busy_times = [], []
+    step_times, busy_times, core_waits = [], [], []
     clock.calls, clock.by_kind = {}, {}
     for step in range(warmup + steps):
         for part in parts:
@@ -250,17 +280,23 @@ def measure(strategy: PipelineParallel, parts: list[torch.nn.Module],
         dist.barrier()
         clock.seconds = 0.0
         clock.recording = step >= warmup
+        waited = core_wait_s()
         start = time.perf_counter()
         strategy.forward_backward(parts, microbatches)
         elapsed = time.perf_counter() - start
+        if waited is not None:
+            waited = (core_wait_s() or waited) - waited
         instrument(strategy, clock)  # the schedule and its stages exist after the first step
         if step >= warmup:
             step_times.append(elapsed)
             busy_times.append(clock.seconds)
+            core_waits.append(waited)
     clock.recording = False
-    idle = [max(0.0, s - b) / s for s, b in zip(step_times, busy_times)]
+    idle = [max(0.0, s - b) / s for s, b in zip(step_times, busy_times, strict=True)]
+    known = [w for w in core_waits if w is not None]
     return {"step_s": statistics.median(step_times), "busy_s": statistics.median(busy_times),
-            "idle_fraction": statistics.median(idle), "per_call_s": clock.per_call()}
+            "idle_fraction": statistics.median(idle), "per_call_s": clock.per_call(),
+            "core_wait_s": statistics.median(known) if known else None}
 
 
 def measured_costs_idle(schedule: str, pp: int, microbatches: int, per_call: dict[str, float], overhead_s: float,
@@ -287,7 +323,7 @@ def worker(args: argparse.Namespace) -> None:
     # the planner's machine figures, measured first, with every pp rank taking part
     overhead_s = measure_pipeline_overhead(torch.device("cpu")) or 0.0
     activation = args.micro_batch_size * args.seq_len * args.dim
-    message_s = time_collective("point-to-point", activation, dist.group.WORLD, MESSAGE_ITERS, torch.device("cpu"))
+    message_s = message_seconds(activation, dist.group.WORLD, torch.device("cpu"))
     if rank == 0:
         print(f"P={pp} pipeline runtime overhead {overhead_s * 1e6:.0f} us per compute action; one "
               f"{activation * 4 / 1e3:.0f} kB message {message_s * 1e3:.2f} ms", flush=True)
@@ -316,11 +352,14 @@ def worker(args: argparse.Namespace) -> None:
                 "busy_s_per_stage": [s["busy_s"] for s in per_stage],
                 "idle_fraction_per_stage": [s["idle_fraction"] for s in per_stage],
                 "idle_fraction_mean": statistics.mean(s["idle_fraction"] for s in per_stage),
+                "core_wait_s_per_stage": [s["core_wait_s"] for s in per_stage],
                 "virtual_stages": VIRTUAL[schedule],
                 "theory_idle_fraction": theoretical_bubble(schedule, pp, microbatches),
                 "theory_idle_over_busy": theoretical_idle_over_busy(schedule, pp, microbatches),
                 "action_overhead_s": overhead_s, "message_s": message_s,
-                **planner_idle(schedule, pp, microbatches, [s["busy_s"] for s in per_stage], overhead_s, message_s),
+                **planner_idle(schedule, pp, microbatches, [s["busy_s"] for s in per_stage], overhead_s, message_s,
+                               planner_layout(schedule, pp, microbatches, args.micro_batch_size, args.seq_len),
+                               inventory(config)),
                 "per_call_s": per_call,
                 "measured_costs_idle_fraction": measured_costs_idle(schedule, pp, microbatches, per_call, overhead_s,
                                                                     message_s),
@@ -333,7 +372,9 @@ def worker(args: argparse.Namespace) -> None:
                       f"{row['theory_idle_fraction']:.3f}, bubble+overhead {row['bubble_overhead_idle_fraction']:.3f}, "
                       f"planner {row['planner_idle_fraction']:.3f}"
                       + (f", measured costs {row['measured_costs_idle_fraction']:.3f}"
-                         if row["measured_costs_idle_fraction"] is not None else ""), flush=True)
+                         if row["measured_costs_idle_fraction"] is not None else "")
+                      + (", waiting for a core [" + " ".join(f"{w * 1e3:.0f}" for w in row["core_wait_s_per_stage"])
+                         + "] ms" if None not in row["core_wait_s_per_stage"] else ""), flush=True)
         del parts, strategy
     if rank == 0:
         print(RESULT_PREFIX + json.dumps(results), flush=True)

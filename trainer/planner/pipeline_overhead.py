@@ -36,7 +36,11 @@ PROBE_MICROBATCHES = 8
 PROBE_WIDTH = 8
 PROBE_STEPS = 5
 PROBE_WARMUP = 2
-MESSAGE_ITERS = 20
+# Probes per measurement, of which the median is kept: on 2 shared cores one probe in six read a whole
+# timing's messages at ~2 ms instead of ~0.2 ms, and its overhead as 0.
+PROBE_ROUNDS = 3
+MESSAGE_ITERS = 4  # point-to-point exchanges per timing
+MESSAGE_REPEATS = 7  # timings, of which the median is kept
 
 
 def overhead_from_probe(schedule: str, pp: int, microbatches: int, step_s: float, busy_s: float,
@@ -89,8 +93,6 @@ def probe_pipeline(group: Any, device: torch.device, microbatches: int = PROBE_M
     one probe message (`time_collective`, the ring exchange the calibration's link figures use)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
-    from trainer.commcheck import time_collective
-
     pp = dist.get_world_size(group)
     rank = dist.get_group_rank(group, dist.get_rank())
     busy = _Busy()
@@ -115,29 +117,42 @@ def probe_pipeline(group: Any, device: torch.device, microbatches: int = PROBE_M
         if step >= warmup:
             step_times.append(time.perf_counter() - start)
             busy_times.append(busy.seconds)
-    message = time_collective("point-to-point", PROBE_WIDTH, group, MESSAGE_ITERS, device)
+    message = message_seconds(PROBE_WIDTH, group, device)
     return {"step_s": statistics.median(step_times), "busy_s": statistics.median(busy_times), "message_s": message}
+
+
+def message_seconds(numel: int, group: Any, device: torch.device) -> float:
+    """One point-to-point message's seconds between `group`'s ranks at `numel` fp32 elements: the median of
+    `MESSAGE_REPEATS` timings of `MESSAGE_ITERS` exchanges each (`time_collective`). A mean over the
+    exchanges took in one descheduled wait: on 2 shared cores, 181-1439 us for one 32-byte message in six
+    probes in a row, which the solve then took from the overhead (44 us instead of 260-370)."""
+    from trainer.commcheck import time_collective
+
+    return statistics.median(time_collective("point-to-point", numel, group, MESSAGE_ITERS, device)
+                             for _ in range(MESSAGE_REPEATS))
 
 
 def measure_pipeline_overhead(device: torch.device) -> float | None:
     """Seconds of overhead per pipeline compute action on this machine, every rank of the job taking part at
     once (as in training, where they share it): ranks 2k and 2k + 1 run the probe pipeline together (an odd
-    last rank waits), and the median over the pairs of the overhead each pair's slowest rank implies is
-    returned on every rank. None with fewer than 2 ranks (no pipeline to run)."""
+    last rank waits), `PROBE_ROUNDS` times, and the median over the pairs and rounds of the overhead each
+    pair's slowest rank implies is returned on every rank. None with fewer than 2 ranks (no pipeline to
+    run)."""
     world, me = dist.get_world_size(), dist.get_rank()
     if world < 2:
         return None
     pairs = [dist.new_group([first, first + 1]) for first in range(0, world - 1, 2)]  # every rank creates each
     mine = pairs[me // 2] if me // 2 < len(pairs) else None
-    measured = probe_pipeline(mine, device) if mine is not None else None
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, measured)
     overheads = []
-    for first in range(0, world - 1, 2):
-        pair = [gathered[first], gathered[first + 1]]
-        overheads.append(overhead_from_probe(
-            PROBE_SCHEDULE, 2, PROBE_MICROBATCHES, step_s=max(r["step_s"] for r in pair),
-            busy_s=max(r["busy_s"] for r in pair), message_s=max(r["message_s"] for r in pair)))
+    for _ in range(PROBE_ROUNDS):
+        measured = probe_pipeline(mine, device) if mine is not None else None
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, measured)
+        for first in range(0, world - 1, 2):
+            pair = [gathered[first], gathered[first + 1]]
+            overheads.append(overhead_from_probe(
+                PROBE_SCHEDULE, 2, PROBE_MICROBATCHES, step_s=max(r["step_s"] for r in pair),
+                busy_s=max(r["busy_s"] for r in pair), message_s=max(r["message_s"] for r in pair)))
     for group in pairs:
         dist.destroy_process_group(group)
     return statistics.median(overheads)
