@@ -4,7 +4,8 @@ Parity (fp32, same global batch and seed, 10 steps, every step logged): per-step
 gradient norms and validation losses within rtol 1e-4, final full weights (gathered from the stages)
 within atol 1e-4, for pp=2 with every schedule (DualPipeV on the GPT), pp=4 with 1f1b and interleaved 1F1B,
 strategy=3d at pp=2 x dp=2 with the split-backward schedules (zbv under zero1, dualpipev under fsdp, zero_bubble
-under zero3), at tp=2 x pp=2 and at cp=2 x pp=2 with both V schedules, and a GPT whose output head is tied to its embedding
+under zero3), at tp=2 x pp=2 and at cp=2 x pp=2 with both V schedules, on 8 processes hybrid_shard under zbv
+(pp=2 x dp=4) and dualpipev at tp=2 x pp=2 x dp=2 (fsdp), and a GPT whose output head is tied to its embedding
 across the first and last stage (on two ranks, and on one: rank 0 in DualPipeV's V). Each world size is one
 torchrun launch (tests/distributed_harness.py); the references run in this process.
 """
@@ -75,6 +76,13 @@ THREE_D = {
     "3d_cp2_fsdp_dualpipev": ("dualpipev", "fsdp", 2, 1, 2),
 }
 RUNS[4] |= {name: ("llama", schedule) for name, (schedule, *_) in THREE_D.items()}
+# On 8 processes (the session's 8-process launch): hybrid sharding under ZBV, pp=2 x dp=4 (2 replicas x 2
+# shards, 2 micro-batches per step), and DualPipeV at tp=2 x pp=2 x dp=2 under fsdp (4 micro-batches).
+THREE_D_8 = {
+    "3d_dp4_hybrid_shard_zbv": ("zbv", "hybrid_shard", 1, 1, 1),
+    "3d_tp2_dp2_fsdp_dualpipev": ("dualpipev", "fsdp", 1, 2, 1),
+}
+RUNS[8] = {name: ("llama", schedule) for name, (schedule, *_) in THREE_D_8.items()}
 MODELS = {"llama": LLAMA, "gpt": GPT}
 PARITY = [(nproc, name) for nproc, named in RUNS.items() for name in named]
 
@@ -291,9 +299,10 @@ def column(run_dir: Path, name: str) -> list[float]:
 
 
 def strategy_overrides(nproc: int, name: str) -> list[str]:
-    if name in THREE_D and nproc == 4:
-        _, data_parallel, micro, tp, cp = THREE_D[name]
-        return ["strategy=3d", "pp=2", f"tp={tp}", f"cp={cp}", "trainer.devices=4",
+    three_d = {4: THREE_D, 8: THREE_D_8}.get(nproc, {})
+    if name in three_d:
+        _, data_parallel, micro, tp, cp = three_d[name]
+        return ["strategy=3d", "pp=2", f"tp={tp}", f"cp={cp}", f"trainer.devices={nproc}",
                 f"strategy.data_parallel={data_parallel}", f"trainer.micro_batch_size={micro}"]
     return ["strategy=pp", f"pp={nproc}", f"trainer.devices={nproc}"]
 
