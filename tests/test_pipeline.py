@@ -358,3 +358,51 @@ def test_every_rank_reports_and_holds_only_its_stage(runs: Path) -> None:
     held = [rank["params"] for rank in summary["state_bytes_per_rank"]]
     assert sum(held) == single["state_bytes_per_rank"][0]["params"]  # untied: the stages partition the weights
     assert max(held) < single["state_bytes_per_rank"][0]["params"] / 2
+
+
+# ---- FSDP2's all-gathers under each schedule against the planner's count --------------------------------
+# pp=2 x dp=2 on 4 processes, 4 micro-batches; each configuration runs 1 and 2 steps, whose difference in rank
+# 0's recorded all-gathers over dp is one step's (setup, shape inference and the final weights' gather cancel).
+GATHER_RUNS = {
+    "gathers_gpipe": ("gpipe", "fsdp"),
+    "gathers_1f1b": ("1f1b", "fsdp"),
+    "gathers_interleaved_1f1b": ("interleaved_1f1b", "fsdp"),
+    "gathers_zero_bubble": ("zero_bubble", "fsdp"),
+    "gathers_zbv": ("zbv", "fsdp"),
+    "gathers_dualpipev": ("dualpipev", "fsdp"),
+    "gathers_zbv_shard_grad_op": ("zbv", "shard_grad_op"),
+}
+GATHER_LOOP = [o for o in LOOP if not o.startswith(("trainer.max_steps", "trainer.val_every", "trainer.micro"))] + [
+    "trainer.val_every=0", "trainer.micro_batch_size=1"]
+
+
+def gather_overrides(name: str) -> list[str]:
+    schedule, data_parallel = GATHER_RUNS[name]
+    return [*LLAMA, *GATHER_LOOP, *SCHEDULES[schedule], "strategy=3d", "pp=2", "tp=1", "trainer.devices=4",
+            f"strategy.data_parallel={data_parallel}"]
+
+
+POOL.add("pipeline", 4, [{"name": f"{name}_{steps}", "overrides": [*gather_overrides(name), f"trainer.max_steps={steps}"]}
+                         for name in GATHER_RUNS for steps in (1, 2)], count_collectives=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GATHER_RUNS))
+def test_planner_counts_the_fsdp_gathers_the_schedule_runs(name: str) -> None:
+    from trainer.planner.communication import step_collectives
+    from trainer.planner.core import hardware_from_config
+    from trainer.planner.layout import layout_from_config, model_config
+    from trainer.planner.memory import RankCoords
+    from trainer.planner.params import inventory
+
+    out = POOL.ensure(4, "pipeline") / "np4"
+    calls = [json.loads((out / f"{name}_{steps}" / "summary.json").read_text())["collective_calls"] for steps in (1, 2)]
+    per_step = {key: calls[1].get(key, 0) - calls[0].get(key, 0) for key in calls[1]}
+    measured_gathers = sum(n for key, n in per_step.items() if key.startswith("all_gather@dp"))
+    measured_reductions = sum(n for key, n in per_step.items() if key.startswith("all_reduce@dp"))
+    cfg = compose(gather_overrides(name))
+    inv, layout = inventory(model_config(cfg)), layout_from_config(cfg)
+    planned = {c.op: c.count for c in step_collectives(inv, layout, RankCoords(pp=0), hardware_from_config(cfg))
+               if c.dimension == "dp"}
+    assert measured_gathers == planned["all-gather"]
+    assert measured_reductions == planned["reduce-scatter"]  # gloo runs a reduce-scatter as an all-reduce

@@ -535,3 +535,37 @@ def test_hardware_configs_agree_with_the_trainers_peak_table() -> None:
         hardware = HardwareConfig(**{k: v for k, v in node.items() if k != "defaults"})
         for dtype, flops in GPU_PEAK_FLOPS[key].items():
             assert hardware.peak_flops(dtype) == flops, (name, dtype)
+
+
+def test_fsdp_gathers_follow_the_schedules_order() -> None:
+    """Under a pipeline a unit a backward gathered stays gathered until a forward reshards it
+    (trainer/planner/fsdp_gathers.py; checked against recorded all-gathers in tests/test_pipeline.py)."""
+    from trainer.planner.fsdp_gathers import pipeline_gathers, rank_actions, unit_gathers
+
+    # torch's 1F1B at P = 2, M = 4: rank 0 runs P - 0 = 2 forwards first, rank 1 one
+    assert [k for k, _ in rank_actions("1f1b", 2, 4, 1, 0)] == list("FFBFBFBB")
+    assert [k for k, _ in rank_actions("1f1b", 2, 4, 1, 1)] == list("FBFBFBFB")
+    first = rank_actions("1f1b", 2, 4, 1, 0)
+    # a resharding unit: F0, F1, B0 (kept for F2, which reshards), B1, B2 (kept for B3); a kept one: once
+    assert (unit_gathers(first, 0, True), unit_gathers(first, 0, False)) == (5, 1)
+    gpipe = rank_actions("gpipe", 2, 4, 1, 0)
+    assert (unit_gathers(gpipe, 0, True), unit_gathers(gpipe, 0, False)) == (4 + 1, 1)
+    # ZBV: torch's UNSHARD gathers each stage once; a forward reshards, the next input-gradient pass gathers
+    zbv = rank_actions("zbv", 2, 4, 2, 0)
+    assert zbv[:2] == (("U", 0), ("U", 3)) and zbv[-1][0] == "R"
+    assert [unit_gathers(zbv, stage, True) for stage in (0, 3)] == [5, 5]
+    # four stages a rank, at most three gathered at a time: torch's runtime frees stage 0 and gathers it
+    # again 3 times, so even a unit that keeps its parameters after a forward is gathered 4 times
+    looped = rank_actions("interleaved_1f1b", 2, 4, 4, 0)
+    assert [unit_gathers(looped, stage, False) for stage in (0, 2, 4, 6)] == [4, 3, 3, 1]
+    # rank 0 of pp=2 x dp=2 (zero3): 3 resharding blocks, the stage's last block and the root under 1F1B
+    # (4 x 5 + 1 = 21); 2 resharding units and one kept on stage 0, one each on stage 3 under zbv (17)
+    inv = inventory(model_config(compose(["model=tiny", "model.n_layers=8"])))
+    base = Layout(world_size=4, dp_replicate=1, dp_shard=2, tp=1, pp=2, strategy="3d", dp_flavour="zero3",
+                  micro_batch_size=1, global_batch_size=8, layers_per_stage=(4, 4))
+    assert pipeline_gathers(inv, base, RankCoords(pp=0))[::2] == (21, 5)
+    v = base.replace(schedule="zbv", virtual_stages=2, layers_per_stage=(2, 3, 2, 1))
+    assert pipeline_gathers(inv, v, RankCoords(pp=0))[::2] == (17, 5)
+    # shard_grad_op keeps every unit gathered for the whole step: one gather each
+    kept = v.replace(dp_flavour="shard_grad_op", reshard_after_forward=False)
+    assert pipeline_gathers(inv, kept, RankCoords(pp=0))[::2] == (5, 5)

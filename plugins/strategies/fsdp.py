@@ -164,6 +164,7 @@ class FSDPSharding:
     def planner_fields(self) -> dict[str, Any]:
         """The sharding's fields of the planner's `Layout`."""
         return {"dp_flavour": self.dp_flavour, "reshard_after_forward": self.reshard_after_forward,
+                "reshard_last_block": self.options.reshard_last_block,
                 "prefetch_blocks": self.options.prefetch_blocks, "offload": self.offload,
                 "grad_sync": self.options.grad_sync, "reshard_after_backward": self.reshard_after_backward,
                 "offload_optimizer": self.optimizer_host is not None}

@@ -13,7 +13,9 @@ What each strategy of this trainer communicates (M micro-batches per step):
 - shard_grad_op / zero3 (FSDP2): per micro-batch, parameters all-gathered once (shard_grad_op) or twice,
   forward and backward (zero3), and gradients reduce-scattered; with grad_sync=step, or under a pipeline
   schedule, the reduce-scatter runs once per step, and with reshard_after_backward=false the forwards after
-  the first one gather nothing; hybrid sharding adds an all-reduce of the shards across replicas;
+  the first one gather nothing; under a pipeline schedule each unit's gathers follow the order torch runs
+  the rank's actions in (fsdp_gathers.py: a backward leaves its units gathered until a forward reshards
+  them); hybrid sharding adds an all-reduce of the shards across replicas;
 - tp (Megatron layout, per layer and micro-batch): two all-reduces in the forward and two in the
   backward of an activation (s x b x h), or with sequence parallelism the same bytes as all-gathers and
   reduce-scatters; recomputed blocks communicate their forward again;
@@ -43,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainer.planner.fsdp_gathers import pipeline_gathers
 from trainer.planner.hardware import HardwareConfig
 from trainer.planner.layout import V_SCHEDULES, Layout
 from trainer.planner.memory import RankCoords, is_hidden_matrix, rank_hidden_numel, rank_numel, rank_part, rank_param_specs
@@ -116,17 +119,22 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
         out.append(Collective("dp", REDUCE_SCATTER, buckets, replicas, payload, span))
         out.append(Collective("dp", ALL_GATHER, 1, replicas, full * layout.param_bytes, span))
     elif layout.fsdp:
-        units = part.layers + 1  # one fully_shard unit per block, plus the root
         span = _spans(layout, ("dp_shard", "cp"), gpn)
-        # gathers per unit and step: forward and (zero3) backward of every micro-batch, less the forwards
-        # that find the parameters still gathered from the previous micro-batch's backward
-        gathers = (2 if layout.reshard_after_forward else 1) * m
-        if not layout.reshard_after_backward and layout.pp == 1:
-            gathers -= m - 1
+        if layout.pp > 1:
+            # the units' gathers as torch's schedule runs them (fsdp_gathers.py): a unit a backward gathered
+            # stays gathered until a forward reshards it
+            gather_count, gathered, units = pipeline_gathers(inv, layout, coords)
+        else:
+            units = part.layers + 1  # one fully_shard unit per block, plus the root
+            # gathers per unit and step: forward and (zero3) backward of every micro-batch, less the forwards
+            # that find the parameters still gathered from the previous micro-batch's backward
+            gathers = (2 if layout.reshard_after_forward else 1) * m
+            if not layout.reshard_after_backward:
+                gathers -= m - 1
+            gather_count, gathered = gathers * units, gathers * full
         reductions = 1 if layout.grad_sync == "step" or layout.pp > 1 else m
         shards = layout.shard_group  # dp_shard x cp
-        out.append(Collective("dp", ALL_GATHER, gathers * units, shards,
-                              gathers * full * layout.unsharded_param_bytes, span))
+        out.append(Collective("dp", ALL_GATHER, gather_count, shards, gathered * layout.unsharded_param_bytes, span))
         out.append(Collective("dp", REDUCE_SCATTER, units * reductions, shards,
                               reductions * full * layout.reduce_bytes, span))
         if layout.dp_replicate > 1:

@@ -52,6 +52,8 @@ class Layout:
     ep: int = 1
     # FSDP: free the gathered parameters after each block's forward (zero3) or keep them (shard_grad_op).
     reshard_after_forward: bool = True
+    # ... the last block's too (FSDP's reshard_last_block; by default it keeps them for the backward).
+    reshard_last_block: bool = False
     prefetch_blocks: int = 1
     # FSDP under accumulation: reduce-scatter per micro-batch ("microbatch") or once per step ("step", the
     # gradient accumulated unsharded), and whether gathered parameters are freed between micro-batches. A
