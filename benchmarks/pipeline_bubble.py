@@ -41,26 +41,25 @@ ZBV and DualPipeV (two stages per rank in a V; DualPipeV needs M >= 2P) are meas
 bubble is the planner's (trainer/planner/pipeline_sim.py: torch's own order of operations played out at
 equal forward, input- and weight-gradient times, communication and bookkeeping free).
 
-Beside that pure bubble ("theory"), each point prints the planner's idle prediction with what it counts
-on top ("planner"): the pipeline runtime's per-action overhead on the critical path
-(`trainer.planner.timing.pipeline_time`, the V schedules played out with it) and the point-to-point
-messages each rank sends, as the planner's time model counts them on a CPU (exposed: every activation or
-gradient a rank sends, `messages_sent`, at the measured time of one). Its inputs are measured in the same
-launch, before the schedules run, and none is fitted to the points: the overhead per action by the
-planner's own calibration probe (trainer/planner/pipeline_overhead.py: a near-zero-compute ZBV pipeline
-over the pp ranks, the message latency solved out), one message's time at the activation's size by the
-calibration's point-to-point exchange (the median of several timings, `message_seconds`), and the compute is each
-point's measured busy time (its mean over the ranks, which the planner would otherwise predict from FLOPs),
-spread over the stages by the planner's shares of the FLOPs (`stage_compute_shares`: the blocks evenly here,
-the output head and loss on the last stage, so the rank holding it is the slowest and the others wait for
-it) and, for zbv and dualpipev, over each stage's forward, input- and weight-gradient passes
-(`stage_pass_fractions`: the attention core's backward all in the input-gradient pass). The figure is the
-mean over the ranks. "bubble+overhead" is the prediction without the messages. For zbv and dualpipev a last figure,
-"measured costs", plays torch's order out with each stage's measured compute per forward, input-, weight-
-gradient and full backward (mean seconds per action of the timed steps), the overhead and one message per
-hand-over between ranks: what is left between it and the measurement is neither the equal-thirds
-assumption nor unequal stages (torch runs the first stage's whole backward in its weight-gradient action,
-none in the input one).
+Beside that pure bubble ("theory"), each point prints the planner's idle prediction with what it counts on top
+("planner"): the pipeline runtime's per-action overhead on the critical path
+(`trainer.planner.timing.pipeline_time`, the V schedules played out with it) and the point-to-point messages
+each rank sends, as the planner's time model counts them on a CPU (exposed: every activation or gradient a
+rank sends, `communication.pipeline_sends`, at the measured time of one). Its inputs are measured in the same
+launch, before the schedules run, and none is fitted to the points: the overhead per action by the planner's
+own calibration probe (trainer/planner/pipeline_overhead.py: a near-zero-compute ZBV pipeline over the pp
+ranks, the message latency solved out), one message's time at the activation's size by the calibration's
+point-to-point exchange (the median of several timings, `message_seconds`), and the compute is each point's
+measured busy time (its mean over the ranks, which the planner would otherwise predict from FLOPs), spread
+over the stages by the planner's shares of the FLOPs (`stage_compute_shares`: the blocks evenly here, the
+output head and loss on the last stage, so the rank holding it is the slowest and the others wait for it) and,
+for zbv and dualpipev, over each stage's forward, input- and weight-gradient passes (`stage_pass_fractions`:
+the attention core's backward all in the input-gradient pass). The figure is the mean over the ranks.
+"bubble+overhead" is the prediction without the messages. For zbv and dualpipev a last figure, "measured
+costs", plays torch's order out with each stage's measured compute per forward, input-, weight-gradient and
+full backward (mean seconds per action of the timed steps), the overhead and one message per hand-over between
+ranks: what is left between it and the measurement is neither the equal-thirds assumption nor unequal stages
+(torch runs the first stage's whole backward in its weight-gradient action, none in the input one).
 
 `--moe` measures instead, for a small MoE under `strategy=3d pp=2 ep=2` (4 processes), the seconds per
 step each rank spends in the expert all-to-alls (forward and backward) and how much of it no compute hid:
@@ -105,6 +104,7 @@ from trainer.models import build_meta_model  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
 from trainer.planner.pipeline_overhead import measure_pipeline_overhead, message_seconds  # noqa: E402
 from trainer.planner.pipeline_sim import KINDS, play_v_schedule, v_schedule_bubble  # noqa: E402
+from trainer.planner.communication import pipeline_sends  # noqa: E402
 from trainer.planner.layout import Layout  # noqa: E402
 from trainer.planner.params import ModelInventory, inventory  # noqa: E402
 from trainer.planner.timing import pipeline_time, stage_compute_shares, stage_pass_fractions  # noqa: E402
@@ -137,22 +137,6 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int) -> float:
     return ratio / (1 + ratio)
 
 
-def messages_sent(schedule: str, pp: int, pp_rank: int, microbatches: int) -> int:
-    """Activations and gradients `pp_rank` sends to another rank per step (as trainer/planner/communication.py
-    counts the pipeline's point-to-point messages): one per micro-batch across each boundary of its stages
-    with a neighbour on another rank, forward for the activation, backward for the gradient."""
-    if schedule in V_SCHEDULES:
-        stages = [pp_rank, 2 * pp - 1 - pp_rank]
-        owner = {s: s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)}
-    else:
-        stages = [pp_rank + v * pp for v in range(VIRTUAL[schedule])]
-        owner = {s: s % pp for s in range(VIRTUAL[schedule] * pp)}
-    last = len(owner) - 1
-    # forward: the activation to stage s + 1; backward: the gradient to stage s - 1
-    crossings = sum((s < last and owner[s + 1] != pp_rank) + (s > 0 and owner[s - 1] != pp_rank) for s in stages)
-    return crossings * microbatches
-
-
 def planner_idle(schedule: str, pp: int, microbatches: int, busy_s: list[float], overhead_s: float,
                  message_s: float, layout: Layout, inv: ModelInventory) -> dict[str, Any]:
     """The planner's idle fraction of a point, mean over the ranks: bubble and per-action overhead on the
@@ -164,7 +148,7 @@ def planner_idle(schedule: str, pp: int, microbatches: int, busy_s: list[float],
     passes = stage_pass_fractions(inv, layout) if schedule in V_SCHEDULES else None
     pipes = [pipeline_time(schedule, pp, microbatches, VIRTUAL[schedule], even, overhead_s, shares, r, passes)
              for r in range(pp)]
-    messages = statistics.mean(messages_sent(schedule, pp, r, microbatches) for r in range(pp)) * message_s
+    messages = statistics.mean(pipeline_sends(layout, r) for r in range(pp)) * message_s
     return {"bubble_overhead_idle_fraction": statistics.mean(p.idle_fraction for p in pipes),
             "planner_idle_fraction": statistics.mean(1 - p.compute_s / (p.step_s + messages) for p in pipes),
             "planner_compute_s_per_stage": [p.compute_s for p in pipes],

@@ -165,12 +165,21 @@ def step_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords,
             out.append(Collective("tp", ALL_REDUCE, count, layout.tp, count * activation, span))
     if layout.pp > 1:
         activation = layout.local_seq_len * layout.micro_batch_size * inv.dim * layout.compute_bytes
-        boundaries = 2 * layout.virtual_stages - (1 if part.first else 0) - (1 if part.last else 0)
-        if layout.schedule in V_SCHEDULES and coords.pp == layout.pp - 1:
-            boundaries -= 2  # the V's turn: stages P - 1 and P on the same rank hand over locally
-        sends = m * max(boundaries, 0)
+        sends = pipeline_sends(layout, coords.pp)
         out.append(Collective("pp", P2P, sends, 2, sends * activation, spans_nodes(layout, "pp", gpn)))
     return [c.timed(hardware) for c in out]
+
+
+def pipeline_sends(layout: Layout, pp_rank: int) -> int:
+    """Activations and gradients `pp_rank` sends to another rank per step: one per micro-batch across each
+    boundary of its stages with a neighbour on another rank (forward the activation, backward the
+    gradient)."""
+    stages = layout.stages_of_rank(pp_rank)
+    last = layout.pp * (2 if layout.schedule in V_SCHEDULES else layout.virtual_stages) - 1
+    boundaries = 2 * len(stages) - (0 in stages) - (last in stages)
+    if layout.schedule in V_SCHEDULES and pp_rank == layout.pp - 1:
+        boundaries -= 2  # the V's turn: stages P - 1 and P on the same rank hand over locally
+    return layout.num_microbatches * max(boundaries, 0)
 
 
 def muon_collectives(inv: ModelInventory, layout: Layout, coords: RankCoords, devices_per_node: int) -> list[Collective]:
