@@ -124,7 +124,7 @@ def probe_pipeline(group: Any, device: torch.device, microbatches: int = PROBE_M
 def message_seconds(numel: int, group: Any, device: torch.device) -> float:
     """One point-to-point message's seconds between `group`'s ranks at `numel` fp32 elements: the median of
     `MESSAGE_REPEATS` timings of `MESSAGE_ITERS` exchanges each (`time_collective`). A mean over the
-    exchanges took in one descheduled wait: on 2 shared cores, 181-1439 us for one 32-byte message in six
+    exchanges absorbed any descheduled wait whole: on 2 shared cores, 181-1439 us for one 32-byte message in six
     probes in a row, which the solve then took from the overhead (44 us instead of 260-370)."""
     from trainer.commcheck import time_collective
 

@@ -222,12 +222,12 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, virtual_stages: int
 
     zbv and dualpipev: torch's order of operations played out with each stage's forward, input- and
     weight-gradient passes at their `pass_fractions` of its compute per micro-batch (`stage_pass_fractions`;
-    a third each without), with and without the overhead (pipeline_sim.py). gpipe and 1F1B (Narayanan et al. 2021): the critical path runs every stage once and the
-    slowest one M - 1 times more, t_1 + ... + t_P + (M - 1) max t (M + P - 1 slots of t at even stages), each
-    stage's time per micro-batch t holding a forward and a backward action, so 2 x overhead more. Interleaved
-    1F1B and zero_bubble: the closed-form bubble at the busiest rank's compute, every action lengthening
-    its slot: step = (busiest compute + actions x overhead) / (1 - bubble) (zero_bubble three actions a
-    slot, an estimate, as its bubble is)."""
+    a third each without), with and without the overhead (pipeline_sim.py). gpipe and 1F1B (Narayanan et
+    al. 2021): the critical path runs every stage once and the slowest one M - 1 times more, t_1 + ... + t_P
+    + (M - 1) max t (M + P - 1 slots of t at even stages), each stage's time per micro-batch t holding a
+    forward and a backward action, so 2 x overhead more. Interleaved 1F1B and zero_bubble: the closed-form
+    bubble at the busiest rank's compute, every action lengthening its slot: step = (busiest compute +
+    actions x overhead) / (1 - bubble) (zero_bubble three actions a slot, an estimate, as its bubble is)."""
     if pp == 1:
         return PipelineTime(compute_s, 0.0, 0.0, 0)
     bubble = schedule_bubble(schedule, pp, microbatches, virtual_stages)
