@@ -31,6 +31,8 @@ from trainer.planner.memory import RankCoords, block_param_specs, rank_numel, ra
 from trainer.planner.params import ModelInventory
 
 # The runtime schedules' actions on their units (`_PipelineScheduleRuntime`).
+# Stages torch's runtime keeps gathered at a time (`_add_unshard_reshard`'s default `max_active_stages`).
+MAX_ACTIVE_STAGES = 3
 RUNTIME_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble",
                      "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
@@ -59,8 +61,9 @@ def rank_actions(schedule: str, pp: int, microbatches: int, virtual_stages: int,
                             _num_stages=pp * local, n_local_stages=local, number_of_rounds=rounds,
                             microbatches_per_round=microbatches // rounds)
     compute = [action for action in cls._calculate_single_rank_operations(state, pp_rank) if action is not None]
+    lowered = schedules._add_unshard_reshard(compute, MAX_ACTIVE_STAGES)
     out: list[tuple[str, int]] = []
-    for action in schedules._add_unshard_reshard(compute):
+    for action in lowered:
         for sub in action.sub_actions or (action,):
             kind = {"UNSHARD": "U", "RESHARD": "R"}.get(sub.computation_type.value, sub.computation_type.value)
             out.append((kind, sub.stage_index))
@@ -84,6 +87,15 @@ def unit_gathers(actions: tuple[tuple[str, int], ...], stage: int, reshards_afte
     return gathers
 
 
+@functools.lru_cache(maxsize=4096)
+def stage_unit_gathers(schedule: str, pp: int, microbatches: int, virtual_stages: int, pp_rank: int, stage: int,
+                       reshards_after_forward: bool) -> int:
+    """`unit_gathers` over `rank_actions` (cached: the search asks for the same few schedules thousands of
+    times)."""
+    return unit_gathers(rank_actions(schedule, pp, microbatches, virtual_stages, pp_rank), stage,
+                        reshards_after_forward)
+
+
 def pipeline_gathers(inv: ModelInventory, layout: Layout, coords: RankCoords) -> tuple[int, float, int]:
     """(all-gathers per step, elements they gather per step, FSDP2 units holding parameters) of one pipeline
     rank under a sharded flavour: one unit per block (and one per MoE layer's experts under ep), each of its
@@ -91,7 +103,6 @@ def pipeline_gathers(inv: ModelInventory, layout: Layout, coords: RankCoords) ->
     embedding) and on the last (norm, head, MTP modules), with the rank's other parameters."""
     part = rank_part(inv, layout, coords.pp)
     stages = layout.stages_of_rank(coords.pp)
-    actions = rank_actions(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, coords.pp)
     full, _ = rank_numel(inv, layout, coords)
     block_numel = 0
     for spec, copies in block_param_specs(inv, layout, coords.pp):
@@ -108,9 +119,10 @@ def pipeline_gathers(inv: ModelInventory, layout: Layout, coords: RankCoords) ->
     elif roots:
         roots[next(iter(roots))] = float(full - block_numel)
     count, numel, units = 0, 0.0, 0
+    schedule = (layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, coords.pp)
     for stage, layers in zip(stages, part.stage_layers, strict=True):
-        resharding = unit_gathers(actions, stage, layout.reshard_after_forward)
-        kept = unit_gathers(actions, stage, layout.reshard_after_forward and layout.reshard_last_block)
+        resharding = stage_unit_gathers(*schedule, stage, layout.reshard_after_forward)
+        kept = stage_unit_gathers(*schedule, stage, layout.reshard_after_forward and layout.reshard_last_block)
         block_gathers = [resharding] * max(0, layers - 1) + [kept] * min(1, layers)
         count += sum(block_gathers) + (resharding * layers if experts else 0)  # the experts' own units
         numel += sum(block_gathers) * per_block

@@ -37,6 +37,7 @@ efficiencies at the configuration's own sizes (`matmul_shapes`, `attention_shape
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from trainer.planner.communication import Collective
@@ -157,13 +158,18 @@ def stage_compute_shares(inv: ModelInventory, layout: Layout) -> tuple[float, ..
     shares. `(1.0,)` without pipelining."""
     from trainer.planner.memory import stage_layers
 
-    counts = stage_layers(inv, layout)
+    return _stage_shares(inv, layout.seq_len, stage_layers(inv, layout))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_shares(inv: ModelInventory, seq_len: int, counts: tuple[int, ...]) -> tuple[float, ...]:
+    # cached: the search asks for the same few splits thousands of times
     if len(counts) == 1:
         return (1.0,)
-    per_layer = inv.layer_flops_per_token(layout.seq_len)
+    per_layer = inv.layer_flops_per_token(seq_len)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     flops = [float(sum(per_layer[start:start + count])) for start, count in zip(starts, counts, strict=True)]
-    flops[-1] += inv.flops_per_token(layout.seq_len) - sum(per_layer)  # the head (and MTP) on the last stage
+    flops[-1] += inv.flops_per_token(seq_len) - sum(per_layer)  # the head (and MTP) on the last stage
     total = sum(flops)
     return tuple(f / total for f in flops)
 
