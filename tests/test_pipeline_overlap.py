@@ -26,25 +26,19 @@ class _PhaseCounting(ExpertOverlap):
         self.phase += 1
 
 
-def _forward(gate: _PhaseCounting, layers: int, log: list[tuple[str, int]]) -> None:
-    """The boundaries a stage's forward passes, with the exchanges between them logged."""
-    for _ in range(layers):
-        gate.boundary("dispatch", False)
-        log.append((FORWARD, gate.phase))
-        gate.boundary("dispatched", False)
-        gate.boundary("combine", False)
-        log.append((FORWARD, gate.phase))
-        gate.boundary("combined", False)
+# One MoE layer's exchange boundaries in the order the forward meets them (the backward: reversed); each
+# exchange runs between the first and the second of a pair.
+BOUNDARIES = ("dispatch", "dispatched", "combine", "combined")
 
 
-def _backward(gate: _PhaseCounting, layers: int, log: list[tuple[str, int]]) -> None:
+def _pass(gate: _PhaseCounting, layers: int, log: list[tuple[str, int]], backward: bool) -> None:
+    """The boundaries a stage's forward or backward passes, with the exchanges between them logged."""
+    role, order = (BACKWARD, BOUNDARIES[::-1]) if backward else (FORWARD, BOUNDARIES)
     for _ in range(layers):
-        gate.boundary("combined", True)
-        log.append((BACKWARD, gate.phase))
-        gate.boundary("combine", True)
-        gate.boundary("dispatched", True)
-        log.append((BACKWARD, gate.phase))
-        gate.boundary("dispatch", True)
+        for index, name in enumerate(order):
+            gate.boundary(name, backward)
+            if index % 2 == 0:
+                log.append((role, gate.phase))
 
 
 @pytest.mark.parametrize("forward_layers,backward_layers", [(1, 1), (2, 1), (1, 2), (3, 3)])
@@ -57,9 +51,9 @@ def test_the_threads_take_turns_so_that_only_one_exchanges_in_a_phase(forward_la
     gate._barrier = threading.Barrier(2, action=gate._close_phase)
     errors: list[BaseException] = []
     partner = threading.Thread(target=gate._take_role,
-                               args=(BACKWARD, lambda: _backward(gate, backward_layers, log), errors))
+                               args=(BACKWARD, lambda: _pass(gate, backward_layers, log, backward=True), errors))
     partner.start()
-    gate._take_role(FORWARD, lambda: _forward(gate, forward_layers, log), errors)
+    gate._take_role(FORWARD, lambda: _pass(gate, forward_layers, log, backward=False), errors)
     partner.join(timeout=30)
     assert not partner.is_alive() and not errors
     assert len(log) == 2 * (forward_layers + backward_layers)
